@@ -1,0 +1,125 @@
+"""The user-facing model handle and `jaxspec.load`."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxspec.config import ConfigError, DenseConfig, dense_config_from_dict, load_config
+from jaxspec.models.dense import DenseLM
+from jaxspec.weights import WeightsError, assign, read_gguf, read_safetensors
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def parse_dtype(dtype) -> Any:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; use one of: {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    return jnp.dtype(dtype).type
+
+
+@dataclass(eq=False)
+class Model:
+    """A loaded target: config, parameters (as an NNX graphdef + state, ready for jit) and tokenizer."""
+
+    config: DenseConfig
+    graphdef: Any
+    params: Any  # nnx.State of the DenseLM
+    tokenizer: Any = None
+    source: str = ""
+
+    @property
+    def module(self) -> DenseLM:
+        return nnx.merge(self.graphdef, self.params)
+
+    @property
+    def dtype(self):
+        return self.params["embed_tokens"][...].dtype
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = list(self.config.eos_token_ids)
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if tok_eos is not None and tok_eos not in ids:
+            ids.append(int(tok_eos))
+        return tuple(ids)
+
+    def logits(self, input_ids) -> np.ndarray:
+        """Plain causal forward. input_ids [B, T] -> float32 numpy logits [B, T, V]."""
+        ids = np.asarray(input_ids, np.int32)
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2 or ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be a non-empty [batch, length] array, got shape {ids.shape}")
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); got {ids.min()}..{ids.max()}")
+        return np.asarray(_causal_logits(self.graphdef, self.params, jnp.asarray(ids)))
+
+    @staticmethod
+    def from_module(module: DenseLM, tokenizer=None, source: str = "") -> "Model":
+        graphdef, params = nnx.split(module)
+        return Model(module.config, graphdef, params, tokenizer, source)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _causal_logits(graphdef, params, ids):
+    m = nnx.merge(graphdef, params)
+    B, T = ids.shape
+    cache = m.init_cache(B, T)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+    logits, _, _ = m(ids, pos, cache, causal)
+    return logits
+
+
+def random_model(config: DenseConfig, *, seed: int = 0, dtype="float32", tokenizer=None) -> Model:
+    """A randomly initialised target (tests, benchmarks on bigger shapes)."""
+    module = DenseLM(config, dtype=parse_dtype(dtype), rngs=nnx.Rngs(seed))
+    return Model.from_module(module, tokenizer, source="random")
+
+
+def load(path, dtype="float32", *, tokenizer: bool = True) -> Model:
+    """Load a target from a HF directory (config.json + safetensors [+ index]) or a .gguf file."""
+    path = Path(path)
+    dt = parse_dtype(dtype)
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist; pass a HF model directory or a .gguf file")
+    if path.is_file() and path.suffix == ".gguf":
+        hf_cfg, tensors = read_gguf(path)
+        cfg = dense_config_from_dict(hf_cfg)
+        module = assign(lambda: DenseLM(cfg, dtype=dt, rngs=nnx.Rngs(0)), tensors, dt)
+        tok = _tokenizer(path.parent, gguf_file=path.name) if tokenizer else None
+    elif path.is_dir():
+        cfg = load_config(path)
+        module = assign(lambda: DenseLM(cfg, dtype=dt, rngs=nnx.Rngs(0)), read_safetensors(path), dt)
+        tok = _tokenizer(path) if tokenizer else None
+    else:
+        raise ConfigError(f"{path} is neither a model directory nor a .gguf file")
+    return Model.from_module(module, tok, source=str(path))
+
+
+def _tokenizer(model_dir: Path, gguf_file: str | None = None):
+    """transformers AutoTokenizer from the directory or the GGUF; None if the model ships none."""
+    import logging
+
+    import transformers
+
+    if gguf_file is None and not any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    kw = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(model_dir), **kw)
+    except Exception as e:  # tokenizer files are optional; a broken one should not hide the weights
+        raise WeightsError(f"cannot load the tokenizer from {model_dir}: {e}") from e
+
+
+__all__ = ["Model", "load", "random_model", "WeightsError", "ConfigError"]

@@ -1,0 +1,91 @@
+"""Shared building blocks: RMSNorm variants, RoPE variants, gated MLP.
+
+Math follows the Hugging Face implementations exactly (see ../shared/reference/architectures.md §1):
+norms and softmax run in float32 whatever the parameter dtype.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxspec.config import RopeConfig
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias); kernel is [in, out] (HF stores [out, in]: the loader transposes)."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(jax.random.normal(rngs.params(), (d_in, d_out), dtype) * (d_in**-0.5))
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = x @ self.kernel[...]
+        return y + self.bias[...] if self.bias is not None else y
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm; `plus_one` is Gemma's (1 + w) form, otherwise Llama's w * x_hat.
+
+    Llama/Qwen3 cast the normalised input back to the input dtype before the multiply; Gemma multiplies
+    in float32 and casts after. Both are reproduced so bf16 runs match HF too.
+    """
+
+    def __init__(self, dim: int, eps: float, *, plus_one: bool = False, dtype=jnp.float32):
+        self.eps, self.plus_one = eps, plus_one
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype) if plus_one else jnp.ones((dim,), dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        xn = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        w = self.weight[...]
+        if self.plus_one:
+            return (xn * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+        return w * xn.astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (gelu tanh)."""
+
+    def __init__(self, d: int, d_ff: int, act: str, *, bias: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.act = act
+        self.gate_proj = Linear(d, d_ff, bias=bias, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(d, d_ff, bias=bias, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(d_ff, d, bias=bias, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        g = self.gate_proj(x)
+        g = jax.nn.silu(g) if self.act == "silu" else jax.nn.gelu(g, approximate=True)
+        return self.down_proj(g * self.up_proj(x))
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
+    """inv_freq [head_dim/2] for the default, linear and llama3 RoPE types (HF modeling_rope_utils)."""
+    # float32 like HF, so long positions rotate by exactly the same angles
+    exponent = np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim)
+    inv = np.float32(1.0) / (np.float32(rope.theta) ** exponent)
+    if rope.rope_type == "linear":
+        inv = inv / rope.factor
+    elif rope.rope_type == "llama3":
+        orig, lo, hi = rope.original_max_position_embeddings, rope.low_freq_factor, rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > orig / lo, inv / rope.factor, inv)
+        smooth = (orig / wavelen - lo) / (hi - lo)
+        mid = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_mid = (wavelen >= orig / hi) & (wavelen <= orig / lo)
+        inv = np.where(is_mid, mid, scaled)
+    return inv.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Half-split ("rotate_half") RoPE. x: [B, N, heads, D]; positions: [B, N]."""
+    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, N, D/2]
+    cos = jnp.cos(ang)[:, :, None, :]
+    sin = jnp.sin(ang)[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
