@@ -193,3 +193,116 @@ def load_config(model_dir: str | Path) -> DenseConfig:
         except json.JSONDecodeError:
             pass  # generation_config is optional; config.json's EOS stands
     return cfg
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """A DFlash drafter: Qwen3-style layers over a block, reading taps of the target as extra K/V.
+
+    Serialised in z-lab's released layout: a Qwen3 config.json plus `block_size`, `num_target_layers`
+    and `dflash_config: {mask_token_id, target_layer_ids}`.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig(theta=1e6)
+    max_position_embeddings: int = 32768
+    attention_bias: bool = False
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+
+    @property
+    def is_sliding(self) -> tuple[bool, ...]:
+        return tuple(t == "sliding_attention" for t in self.layer_types)
+
+    def to_hf_dict(self) -> dict:
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope.theta,
+            "rope_scaling": None
+            if self.rope.rope_type == "default"
+            else {
+                "rope_type": self.rope.rope_type,
+                "factor": self.rope.factor,
+                "low_freq_factor": self.rope.low_freq_factor,
+                "high_freq_factor": self.rope.high_freq_factor,
+                "original_max_position_embeddings": self.rope.original_max_position_embeddings,
+            },
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": self.attention_bias,
+            "tie_word_embeddings": False,
+            "hidden_act": "silu",
+            "layer_types": list(self.layer_types),
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": self.sliding_window is not None,
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+        }
+
+
+def drafter_config_from_dict(d: dict) -> DrafterConfig:
+    """Parse a DFlash drafter config.json (z-lab layout)."""
+    dflash = d.get("dflash_config") or {}
+    missing = [k for k in ("block_size",) if k not in d] + [k for k in ("mask_token_id",) if k not in dflash]
+    if missing:
+        raise ConfigError(
+            f"drafter config.json lacks {', '.join(missing)}; a DFlash drafter needs block_size and "
+            "dflash_config.mask_token_id (z-lab layout)"
+        )
+    H, nH = int(d["hidden_size"]), int(d["num_attention_heads"])
+    L = int(d["num_hidden_layers"])
+    n_target = int(d.get("num_target_layers", 0))
+    taps = dflash.get("target_layer_ids")
+    if taps is None:
+        if not n_target:
+            raise ConfigError("drafter config.json has neither dflash_config.target_layer_ids nor num_target_layers")
+        taps = default_target_layer_ids(n_target, L)
+    rp = d.get("rope_parameters") or {**(d.get("rope_scaling") or {}), "rope_theta": d.get("rope_theta", 1e6)}
+    layer_types = tuple(d.get("layer_types") or ["full_attention"] * L)
+    return DrafterConfig(
+        hidden_size=H,
+        intermediate_size=int(d["intermediate_size"]),
+        num_layers=L,
+        num_heads=nH,
+        num_kv_heads=int(d.get("num_key_value_heads") or nH),
+        head_dim=int(d.get("head_dim") or H // nH),
+        vocab_size=int(d["vocab_size"]),
+        block_size=int(d["block_size"]),
+        mask_token_id=int(dflash["mask_token_id"]),
+        target_layer_ids=tuple(int(t) for t in taps),
+        num_target_layers=n_target,
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope=_rope(rp),
+        max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+        attention_bias=bool(d.get("attention_bias", False)),
+        layer_types=layer_types,
+        sliding_window=int(d["sliding_window"]) if "sliding_attention" in layer_types and d.get("sliding_window") else None,
+    )
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
+    """DFlash's tap placement: the middle layer for one tap, else evenly spread over [1, L-3]."""
+    if num_taps == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(int(round(1 + i * span / (num_taps - 1))) for i in range(num_taps))

@@ -36,16 +36,20 @@ def hf_param_path(name: str) -> str | None:
     return None
 
 
-def assign(model_ctor, tensors: Iterator[tuple[str, np.ndarray]], dtype) -> nnx.Module:
-    """Build the module abstractly, then fill it tensor by tensor from `tensors`."""
+def assign(model_ctor, tensors: Iterator[tuple[str, np.ndarray]], dtype, *, path_fn=None, skip=()) -> nnx.Module:
+    """Build the module abstractly, then fill it tensor by tensor from `tensors`.
+
+    path_fn maps a checkpoint name to a dotted module path (default: HF target names); names whose
+    path starts with one of `skip` are ignored (e.g. a drafter checkpoint that carries the target's head).
+    """
     abstract = nnx.eval_shape(model_ctor)
     graphdef, state = nnx.split(abstract)
     flat = dict(nnx.to_flat_state(state))
     by_path = {".".join(str(p) for p in k): k for k in flat}
     filled = set()
     for name, arr in tensors:
-        path = hf_param_path(name)
-        if path is None:
+        path = (path_fn or hf_param_path)(name)
+        if path is None or path.startswith(tuple(skip)):
             continue
         if path.endswith(".weight") and path[: -len(".weight")] + ".kernel" in by_path:
             path, arr = path[: -len(".weight")] + ".kernel", arr.T  # Linear: [out, in] -> [in, out]
@@ -159,7 +163,8 @@ def gguf_config(reader) -> dict:
     if arch == "gemma3":
         d.update(
             sliding_window=int(g("attention.sliding_window", 512)),
-            query_pre_attn_scalar=int(head_dim),
+            # llama.cpp's rule (GGUF has no key for it): the 27B (62 layers) scales by H / nH = 168, others by head_dim
+            query_pre_attn_scalar=int(H) // int(nH) if int(g("block_count")) == 62 else int(head_dim),
             rope_local_base_freq=10000.0,
             hidden_activation="gelu_pytorch_tanh",
         )

@@ -21,15 +21,18 @@ def cache_mask(positions, length, start, visible, max_len):
 
     positions: [B, N] RoPE positions of the new tokens; length: [] committed slots; start: [B] first
     real slot per row; visible: [B, N, N] which new tokens each new token sees (causal or ancestors).
-    Returns mask [B, N, T] bool and key positions [B, T] (used by sliding windows).
+    Slots before `start` are hidden here even when new, so a left-padded prefill may pass a plain causal
+    `visible`. Returns mask [B, N, T] bool and key positions [B, T] (used by sliding windows).
     """
     B, N = positions.shape
     slot = jnp.arange(max_len)
-    committed = (slot[None, :] >= start[:, None]) & (slot[None, :] < length)  # [B, T]
+    real = slot[None, :] >= start[:, None]  # [B, T]: left-padding slots are never visible, even when new
+    committed = real & (slot[None, :] < length)  # [B, T]
     j = slot - length  # index into the new tokens
     is_new = (j >= 0) & (j < N)
     jc = jnp.clip(j, 0, N - 1)
-    new_vis = jnp.take_along_axis(visible, jnp.broadcast_to(jc, (B, N, max_len)), axis=2) & is_new  # [B, N, T]
+    new_vis = jnp.take_along_axis(visible, jnp.broadcast_to(jc, (B, N, max_len)), axis=2)
+    new_vis = new_vis & (is_new & real)[:, None, :]  # [B, N, T]
     mask = committed[:, None, :] | new_vis
     key_pos = jnp.where(is_new[None, :], jnp.take_along_axis(positions, jnp.broadcast_to(jc, (B, max_len)), 1),
                         slot[None, :] - start[:, None])

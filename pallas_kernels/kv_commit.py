@@ -1,0 +1,119 @@
+"""Commit an accepted tree path into a KV cache: in-place row compaction.
+
+Tree verification writes the K (or V) of all N = 1 + budget tree nodes at cache slots
+`start .. start+N-1`. After the acceptance walk only the nodes on the accepted path survive
+(`path: [P]`, P = max depth + 1, which may be smaller than N for wide trees), and they must sit
+contiguously at `start .. start+n-1` so the cache again holds one linear sequence:
+
+    for i in range(n): cache[:, :, start + i] = cache[:, :, start + path[i]]
+
+`path` is strictly increasing with path[0] == 0, so path[i] >= i: row i only ever reads a slot that
+no earlier row has written, and the loop is safe in place in increasing i. Slots < start are never
+touched; slots >= start+n are scratch afterwards (the next forward overwrites them). Callers must
+keep start + max(N, P) <= T (`dynamic_update_slice` would otherwise clamp the write).
+
+What runs where:
+  * `kv_commit_reference` (impl="xla"): gather the P accepted rows, write them back at start. Plain
+    XLA, runs on every backend; with a donated cache the update is in place.
+  * `kv_commit_pallas`: a TPU (Mosaic) kernel. path/start/n are scalar-prefetched into SMEM, the
+    cache stays in HBM (`pl.ANY`), aliased input -> output, and each grid step i < n issues one
+    HBM -> HBM DMA of a [B, H, 1, D] row, skipping rows already in place (path[i] == i). Only rows
+    start .. start+n-1 are written, and nothing passes through VMEM (no VMEM block-shape rules).
+    Tested only on CPU: under `interpret=True` and the TPU simulator `pltpu.InterpretParams()`, and
+    lowered to Mosaic for platform "tpu" via `jax.export`; never compiled or run on a real TPU (a
+    single-row DMA of a packed dtype such as bf16 is the first thing to check there).
+  * `kv_commit(impl="pallas")`: the kernel in interpret mode on CPU, compiled on TPU, and the XLA
+    path on GPU: the kernel does not lower for GPU (`jax.export` for "cuda" fails with "Scalar
+    prefetch not supported in Mosaic GPU lowering"; the DMA semaphores are TPU-only too).
+
+`latent_commit` applies the same commit to an MLA latent cache [B, T, C] (no head axis).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+
+def kv_commit_reference(cache, path, start, n):
+    """Pure-JAX commit. cache: [B, H, T, D]; path: [P] int32; start, n: [] int32 (may be traced)."""
+    P = path.shape[0]
+    i = jnp.arange(P, dtype=jnp.int32)
+    src = jnp.where(i < n, path.astype(jnp.int32), i)  # rows past n keep themselves
+    rows = jnp.take(cache, start + src, axis=2)  # [B, H, P, D]; path may point past P (wide trees)
+    return lax.dynamic_update_slice_in_dim(cache, rows, start, axis=2)
+
+
+def _commit_kernel(path_ref, sn_ref, cache_in_ref, cache_ref, sem):
+    """Grid step i: copy row start+path[i] -> start+i with one DMA (HBM -> HBM).
+
+    cache_in_ref aliases cache_ref (one HBM buffer); every copy goes through cache_ref, the buffer
+    being updated. Steps run in order ("arbitrary") and each DMA completes before the next starts:
+    row j may read slot path[j] == k that a later row k > j overwrites.
+    """
+    del cache_in_ref
+    i = pl.program_id(0)
+    start, n = sn_ref[0], sn_ref[1]
+    src = path_ref[i]
+
+    @pl.when((i < n) & (src != i))
+    def _():
+        copy = pltpu.make_async_copy(
+            cache_ref.at[:, :, pl.ds(start + src, 1), :], cache_ref.at[:, :, pl.ds(start + i, 1), :], sem
+        )
+        copy.start()
+        copy.wait()
+
+
+@functools.partial(jax.jit, static_argnames="interpret")
+def kv_commit_pallas(cache, path, start, n, *, interpret=False):
+    """Pallas commit, same contract as `kv_commit_reference`; in place when `cache` is donated.
+
+    interpret: False (compile for TPU), True (generic interpreter), or `pltpu.InterpretParams()`.
+    """
+    P = path.shape[0]
+    sn = jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(n, jnp.int32)])  # [2]
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        _commit_kernel,
+        out_shape=jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(P,),
+            in_specs=[hbm],
+            out_specs=hbm,
+            scratch_shapes=[pltpu.SemaphoreType.DMA(())],
+        ),
+        input_output_aliases={2: 0},  # operands are (path, sn, cache)
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        interpret=interpret,
+    )(path.astype(jnp.int32), sn, cache)
+
+
+def kv_commit(cache, path, start, n, *, impl="xla", interpret=None):
+    """Engine entry point. cache: [B, H, T, D]; impl: "xla" | "pallas".
+
+    With impl="pallas", interpret=None interprets the kernel on CPU, compiles it on TPU, and uses the
+    XLA path on GPU (see the module docstring).
+    """
+    if impl == "xla":
+        return kv_commit_reference(cache, path, start, n)
+    if impl != "pallas":
+        raise ValueError(f"unknown kv_commit impl {impl!r}")
+    if interpret is None:
+        backend = jax.default_backend()
+        if backend == "gpu":
+            return kv_commit_reference(cache, path, start, n)
+        interpret = backend == "cpu"
+    return kv_commit_pallas(cache, path, start, n, interpret=interpret)
+
+
+def latent_commit(cache, path, start, n, *, impl="xla", interpret=None):
+    """`kv_commit` for an MLA latent cache [B, T, C]: viewed as one head, [B, 1, T, C]."""
+    B, T, C = cache.shape
+    out = kv_commit(cache.reshape(B, 1, T, C), path, start, n, impl=impl, interpret=interpret)
+    return out.reshape(B, T, C)

@@ -1,0 +1,111 @@
+"""KV commit (accepted-path compaction): XLA reference vs a numpy loop, Pallas kernel vs reference.
+
+Every jitted function takes start/n as traced scalars, so one compile per shape serves all random cases.
+"""
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.kv_commit import kv_commit, kv_commit_pallas, kv_commit_reference, latent_commit
+
+
+def random_case(rng, shape, P, dtype):
+    """A random cache (T on axis -2), accepted path [P] (strictly increasing from 0, garbage past n), start, n.
+
+    The path points into N = 2P tree slots: in a wide tree an accepted node's index exceeds the depth.
+    """
+    T, N = shape[-2], 2 * P
+    n = int(rng.integers(1, P + 1))
+    path = rng.integers(0, N, size=P)  # padding past n may hold anything in [0, N)
+    path[:n] = [0, *sorted(rng.choice(np.arange(1, N), size=n - 1, replace=False))]
+    start = int(rng.integers(0, T - N + 1))
+    cache = jnp.asarray(rng.standard_normal(shape), dtype)
+    return cache, jnp.asarray(path, jnp.int32), jnp.int32(start), jnp.int32(n)
+
+
+def numpy_commit(cache, path, start, n):
+    out = np.array(cache.astype(jnp.float32))  # exact for bf16
+    for i in range(int(n)):
+        out[..., start + i, :] = out[..., start + path[i], :]
+    return out
+
+
+def as_f32(x):
+    return np.asarray(x.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("B", [1, 2])
+def test_reference_matches_numpy_loop(B, dtype):
+    rng = np.random.default_rng(B)
+    ref = jax.jit(kv_commit_reference)
+    for _ in range(6):
+        cache, path, start, n = random_case(rng, (B, 3, 24, 4), 6, dtype)
+        out = ref(cache, path, start, n)
+        want = numpy_commit(cache, np.asarray(path), int(start), int(n))
+        k = int(start + n)  # rows past start+n are scratch
+        np.testing.assert_array_equal(as_f32(out)[..., :k, :], want[..., :k, :])
+        assert out.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pallas_interpret_matches_reference(dtype):
+    rng = np.random.default_rng(7)
+    pallas = jax.jit(lambda c, p, s, n: kv_commit_pallas(c, p, s, n, interpret=True))
+    for _ in range(6):
+        cache, path, start, n = random_case(rng, (2, 2, 40, 8), 9, dtype)
+        k = int(start + n)
+        out, want = pallas(cache, path, start, n), kv_commit_reference(cache, path, start, n)
+        np.testing.assert_array_equal(as_f32(out)[..., :k, :], as_f32(want)[..., :k, :])
+
+
+def test_pallas_tpu_simulator_matches_reference():
+    """The TPU simulator poisons uninitialised memory, so this also checks the aliased output starts as the cache."""
+    cache = jnp.asarray(np.random.default_rng(3).standard_normal((1, 2, 32, 8)), jnp.float32)
+    path, start, n = jnp.array([0, 2, 3, 4, 1], jnp.int32), jnp.int32(9), jnp.int32(4)  # one padding entry
+    out = kv_commit_pallas(cache, path, start, n, interpret=pltpu.InterpretParams())
+    want = kv_commit_reference(cache, path, start, n)
+    k = int(start + n)
+    np.testing.assert_array_equal(np.asarray(out)[..., :k, :], np.asarray(want)[..., :k, :])
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_latent_commit(impl):
+    rng = np.random.default_rng(11)
+    commit = jax.jit(lambda c, p, s, n: latent_commit(c, p, s, n, impl=impl))
+    for _ in range(3):
+        cache, path, start, n = random_case(rng, (2, 20, 16), 6, jnp.bfloat16)  # [B, T, C]
+        out = commit(cache, path, start, n)
+        assert out.shape == cache.shape
+        want = numpy_commit(cache, np.asarray(path), int(start), int(n))
+        k = int(start + n)
+        np.testing.assert_array_equal(as_f32(out)[:, :k], want[:, :k])
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_donated_commit_in_place_leaves_prefix(impl):
+    """Under jit with a donated cache the output reuses the cache's buffer; slots < start are intact."""
+    cache = jnp.asarray(np.random.default_rng(5).standard_normal((2, 2, 32, 8)), jnp.float32)
+    path, start, n = jnp.array([0, 1, 3, 4, 6, 2, 0], jnp.int32), jnp.int32(10), jnp.int32(5)
+    before = np.array(cache)  # a copy: a live numpy view of the cache would block the donation
+    want = numpy_commit(cache, np.asarray(path), 10, 5)
+    commit = jax.jit(lambda c, p, s, n: kv_commit(c, p, s, n, impl=impl), donate_argnums=0)
+    ptr = cache.unsafe_buffer_pointer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Some donated buffers were not usable" would fail here
+        out = commit(cache, path, start, n)
+    assert cache.is_deleted() and out.unsafe_buffer_pointer() == ptr
+    out = np.asarray(out)
+    np.testing.assert_array_equal(out[..., :10, :], before[..., :10, :])
+    np.testing.assert_array_equal(out[..., :15, :], want[..., :15, :])
+
+
+def test_unknown_impl_raises():
+    with pytest.raises(ValueError):
+        kv_commit(jnp.zeros((1, 1, 8, 2)), jnp.zeros((2,), jnp.int32), 0, 1, impl="cuda")
