@@ -2,7 +2,7 @@
 looped by `lax.while_loop`, so there is no host round trip per token or per round.
 
 One speculative round (batch 1, all static shapes):
-  1. draft: drafter([bonus, MASK x (B-1)] at L..L+B-1, its context) -> B-1 distributions
+  1. draft: drafter.draft_logits: [bonus, MASK x (B-1)] at L..L+B-1 over its context -> B-1 distributions
   2. tree:  build_tree (top-budget prefixes) or build_chain (DFlash) -> N = nodes + 1 with root = bonus
   3. verify: one target forward over the N nodes at positions L + depth with the ancestor mask
   4. accept: walk the tree along the target's argmax (or one target sample per node)
@@ -104,7 +104,6 @@ class SpecSettings:
     method: str  # dflash | ddtree
     budget: int  # non-root tree nodes (dflash: block_size - 1)
     block_size: int
-    mask_token_id: int
     taps: tuple[int, ...]
     sp: SamplingParams
     eos: tuple[int, ...]
@@ -113,14 +112,6 @@ class SpecSettings:
     @property
     def depth(self) -> int:
         return self.block_size - 1
-
-
-def _draft_logits(target, drafter, dcache, bonus, L, st: SpecSettings):
-    """Drafter forward on [bonus, MASK x (B-1)] at positions L.. -> float32 logits [B-1, V]."""
-    block = jnp.full((1, st.block_size), st.mask_token_id, jnp.int32).at[0, 0].set(bonus)
-    pos = (L + jnp.arange(st.block_size, dtype=jnp.int32))[None]
-    h = drafter(target.embed(block), pos, dcache)
-    return target.head(h[0, 1:])
 
 
 @functools.partial(jax.jit, static_argnames=("tg", "dg", "max_len", "out_len", "st"))
@@ -151,7 +142,7 @@ def spec_round(target, drafter, s, st: SpecSettings):
     cache, L = s["cache"], s["cache"].length
     key, k_verify = jax.random.split(s["key"])
     # 1-2. draft and build the tree (root = bonus)
-    draft = _draft_logits(target, drafter, s["dcache"], s["bonus"], L, st)
+    draft = drafter.draft_logits(target, s["dcache"], s["bonus"], L)
     tree = build_tree(draft, st.budget) if st.method == "ddtree" else build_chain(draft)
     tokens = tree.tokens.at[0].set(s["bonus"])
     # 3. verify all nodes in one forward: node i at position L + depth_i, seeing prefix + its ancestors
@@ -288,7 +279,7 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
             raise ValueError("speculative decoding runs one prompt at a time; use method='ar' for batches")
         check_fits(drafter.config, model)
         dc = drafter.config
-        st = SpecSettings(method, budget, dc.block_size, dc.mask_token_id, dc.target_layer_ids, sp, eos, kv_impl)
+        st = SpecSettings(method, budget, dc.block_size, dc.target_layer_ids, sp, eos, kv_impl)
         (r,) = rows
         P = _round_up(len(r), 64)
         tokens = np.zeros((1, P), np.int32)

@@ -98,6 +98,16 @@ class DFlashDrafter(nnx.Module):
             vs[i] = jax.lax.dynamic_update_slice(vs[i], v.astype(vs[i].dtype), (0, 0, cache.length, 0))
         return KVCache(tuple(ks), tuple(vs), cache.length + n_valid, cache.start)
 
+    def draft_logits(self, target, cache: KVCache, bonus, L):
+        """Draft distributions for the block [bonus, MASK x (B-1)] at positions L.. -> float32 [B-1, V].
+
+        target supplies the (frozen) embedding and LM head: `target.embed`, `target.head`.
+        """
+        Bk = self.config.block_size
+        block = jnp.full((1, Bk), self.config.mask_token_id, jnp.int32).at[0, 0].set(bonus)
+        pos = (L - cache.start[0] + jnp.arange(Bk, dtype=jnp.int32))[None]
+        return target.head(self(target.embed(block), pos, cache)[0, 1:])
+
     def __call__(self, block_emb, positions, cache: KVCache):
         """block_emb [B, Bk, H] (target embedding of [bonus, MASK...]); positions [B, Bk] -> hidden [B, Bk, H].
 

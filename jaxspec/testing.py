@@ -1,0 +1,62 @@
+"""Test helpers: an oracle drafter that proposes the target's own greedy future.
+
+Random tiny models never agree with a random drafter, so lossless tests would only ever exercise
+"accept nothing". The oracle knows the target's greedy continuation (`reference`: prompt + AR greedy
+output) and at committed length L proposes reference[L+1 .. L+B-1], with controllable noise: at each
+depth, with probability `noise`, the right token is demoted to rank 2..`max_rank` behind wrong ones.
+So tests reach deep acceptance (noise 0), accepted siblings (noise > 0 with a wide enough tree), and
+full-budget paths, with the engine, tree, walk and commits all real. It plugs into the engine like a
+DFlash drafter: `draft_logits`, `init_cache`, `append_context`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxspec.cache import KVCache
+from jaxspec.config import DrafterConfig
+from jaxspec.drafter import Drafter
+from jaxspec.model import Model
+
+
+class OracleDrafter(nnx.Module):
+    def __init__(self, cfg: DrafterConfig, reference, noise: float, max_rank: int, seed: int):
+        self.config = cfg
+        self.reference = nnx.Variable(jnp.asarray(reference, jnp.int32))  # [R]
+        self.noise, self.max_rank, self.seed = float(noise), int(max_rank), int(seed)
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        return KVCache((), (), jnp.zeros((), jnp.int32), jnp.zeros((batch,), jnp.int32))
+
+    def append_context(self, cache: KVCache, taps, n_valid) -> KVCache:
+        return KVCache((), (), cache.length + n_valid, cache.start)
+
+    def draft_logits(self, target, cache: KVCache, bonus, L):
+        D, V = self.config.block_size - 1, self.config.vocab_size
+        ref = self.reference[...]
+        idx = L + 1 + jnp.arange(D)
+        right = jnp.where(idx < ref.shape[0], ref[jnp.minimum(idx, ref.shape[0] - 1)], 0)  # [D]
+        k_noise, k_rank, k_wrong, k_base = jax.random.split(jax.random.fold_in(jax.random.key(self.seed), L), 4)
+        logits = 0.1 * jax.random.normal(k_base, (D, V))
+        demote = jax.random.uniform(k_noise, (D,)) < self.noise
+        rank = jax.random.randint(k_rank, (D,), 2, self.max_rank + 1)  # the right token's rank when demoted
+        # wrong tokens above it: ids right+1 .. right+rank-1 (mod V) get higher logits
+        offs = jnp.arange(1, self.max_rank)
+        wrong = (right[:, None] + offs[None, :]) % V  # [D, max_rank-1]
+        boost = jnp.where(demote[:, None] & (offs[None, :] < rank[:, None]), 12.0 - offs[None, :] * 0.1, -jnp.inf)
+        logits = logits.at[jnp.arange(D)[:, None], wrong].max(boost)
+        return logits.at[jnp.arange(D), right].set(10.0)
+
+
+def oracle_drafter(model: Model, reference, *, noise: float = 0.0, max_rank: int = 3, block_size: int = 16,
+                   seed: int = 0) -> Drafter:
+    """A Drafter whose proposals are `reference` (prompt + the target's greedy output), with noise."""
+    t = model.config
+    cfg = DrafterConfig(
+        hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_layers=0, num_heads=t.num_heads,
+        num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, vocab_size=t.vocab_size, block_size=block_size,
+        mask_token_id=0, target_layer_ids=(0,), num_target_layers=t.num_layers,
+    )
+    return Drafter.from_module(OracleDrafter(cfg, np.asarray(reference), noise, max_rank, seed))

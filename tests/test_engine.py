@@ -1,0 +1,240 @@
+"""Speculative engine: tree oracle, lossless greedy and sampling, stop conditions, drafter I/O, bad inputs."""
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.stats
+
+import jaxspec
+from jaxspec.config import ConfigError, dense_config_from_dict
+from jaxspec.sampling import SamplingParams, filtered_logits
+from jaxspec.testing import oracle_drafter
+from jaxspec.tree import ancestor_mask, build_tree
+
+TINY = {
+    "llama": dict(model_type="llama", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                  rope_theta=5e5),
+    "qwen3": dict(model_type="qwen3", head_dim=16, tie_word_embeddings=True),
+    "gemma3": dict(model_type="gemma3_text", num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16,
+                   sliding_window=8, sliding_window_pattern=3,
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}),
+}
+BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=None, bos_token_id=None)
+
+
+def tiny_target(family, seed=0):
+    """A random target with peaked logits (weights scaled up) so greedy ties are vanishingly rare."""
+    cfg = dense_config_from_dict({**BASE, **TINY[family]})
+    m = jaxspec.random_model(cfg, seed=seed)
+    m.params = jax.tree.map(lambda x: x * 2.5, m.params)
+    return m
+
+
+@pytest.fixture(scope="module", params=list(TINY))
+def target(request):
+    return tiny_target(request.param)
+
+
+PROMPT = [int(t) for t in np.random.RandomState(0).randint(0, 128, 13)]
+
+
+@pytest.fixture(scope="module")
+def ar_ref(target):
+    return jaxspec.generate(target, input_ids=PROMPT, method="ar", max_new_tokens=200).token_ids
+
+
+def path_of(tree_tokens, parents, i):
+    out = []
+    while True:
+        out.append(int(tree_tokens[i]))
+        if i == 0:
+            return out[::-1]
+        i = int(parents[i])
+
+
+@pytest.mark.parametrize("budget", [8, 40])
+def test_tree_oracle(target, budget):
+    """Every node's verify logits equal a plain causal forward over prefix + path(node)."""
+    rng = np.random.RandomState(budget)
+    D, V = 15, target.config.vocab_size
+    draft = 0.5 * rng.randn(D, V).astype(np.float32)
+    draft[0, rng.choice(V, 3, replace=False)] += 4.0  # three likely first tokens: a wide tree
+    draft[np.arange(1, D), rng.randint(0, V, D - 1)] += 6.0  # then one likely token per depth: deep branches
+    tree = build_tree(jnp.asarray(draft), budget)
+    tokens = tree.tokens.at[0].set(PROMPT[-1])
+    prefix = PROMPT[:-1]
+    m = target.module
+    cache = m.init_cache(1, 128)
+    L = len(prefix)
+    _, _, cache = m(jnp.asarray([prefix]), jnp.arange(L)[None], cache, jnp.tril(jnp.ones((L, L), bool))[None])
+    logits, _, _ = m(tokens[None], (L + tree.depths)[None], cache.advance(L), ancestor_mask(tree)[None])
+    assert int(tree.depths.max()) >= 3 and int((tree.depths == 1).sum()) >= 2  # deep and branching
+    toks, parents, depths = np.asarray(tokens), np.asarray(tree.parents), np.asarray(tree.depths)
+    valid = np.asarray(tree.valid)
+    for depth in np.unique(depths[valid]):  # one batched causal forward per depth
+        nodes = np.flatnonzero(valid & (depths == depth))
+        want = target.logits([prefix + path_of(toks, parents, i) for i in nodes])[:, -1]
+        np.testing.assert_allclose(np.asarray(logits[0, nodes]), want, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 1), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64)])
+def test_lossless_greedy_oracle(target, ar_ref, method, budget):
+    d = oracle_drafter(target, PROMPT + ar_ref, noise=0.3, max_rank=3)
+    res = jaxspec.generate(target, input_ids=PROMPT, drafter=d, method=method, budget=budget, max_new_tokens=200)
+    assert res.token_ids == ar_ref
+    assert res.stats["acceptance_length"] > 1.5  # the oracle really is accepted
+    if budget is not None and budget >= 16:  # wide trees catch demoted tokens: better than the chain
+        chain = jaxspec.generate(target, input_ids=PROMPT, drafter=d, method="dflash", max_new_tokens=200)
+        assert res.stats["acceptance_length"] > chain.stats["acceptance_length"]
+
+
+@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 16)])
+def test_lossless_greedy_random_drafter(target, ar_ref, method, budget):
+    d = jaxspec.init_drafter(target, num_layers=1, block_size=8, seed=3)
+    res = jaxspec.generate(target, input_ids=PROMPT, drafter=d, method=method, budget=budget, max_new_tokens=64)
+    assert res.token_ids == ar_ref[:64]
+
+
+def test_stops_mid_round(target, ar_ref):
+    d = oracle_drafter(target, PROMPT + ar_ref)  # noise 0: every round accepts the whole block
+    res = jaxspec.generate(target, input_ids=PROMPT, drafter=d, method="ddtree", budget=16, max_new_tokens=37)
+    assert res.token_ids == ar_ref[:37]
+    assert res.stats["rounds"] < 37 // 4
+
+
+def test_eos_inside_accepted_path(target, ar_ref):
+    # pick an EOS that first appears mid-way through the greedy output
+    pos = next(i for i in range(40, 200) if ar_ref[i] not in ar_ref[:i])
+    m = dataclasses.replace(target, config=target.config.replace(eos_token_ids=(ar_ref[pos],)))
+    want = jaxspec.generate(m, input_ids=PROMPT, method="ar", max_new_tokens=200).token_ids
+    assert want == ar_ref[: pos + 1]
+    d = oracle_drafter(target, PROMPT + ar_ref)
+    res = jaxspec.generate(m, input_ids=PROMPT, drafter=d, method="ddtree", budget=8, max_new_tokens=200)
+    assert res.token_ids == want
+    assert res.stats["acceptance_length"] > 4  # so the EOS was reached inside an accepted path
+
+
+def exact_marginals(model, sp, n):
+    """Exact target distributions of generated tokens 1..n (each marginalised over the earlier ones)."""
+    dist = lambda logits: np.asarray(jax.nn.softmax(filtered_logits(jnp.asarray(logits), sp), axis=-1))  # noqa: E731
+    prefixes, weights, out = [[]], np.ones(1), []
+    for _ in range(n):
+        cond = dist(model.logits([PROMPT + p for p in prefixes])[:, -1])  # [prefixes, V]
+        out.append(weights @ cond)
+        nxt = [(p + [int(t)], w * cond[i, t]) for i, (p, w) in enumerate(zip(prefixes, weights)) for t in np.flatnonzero(cond[i] > 0)]
+        prefixes, weights = [p for p, _ in nxt], np.array([w for _, w in nxt])
+    return out
+
+
+def chi2_pvalue(samples, probs):
+    """Goodness of fit; bins with small expected counts are pooled into one."""
+    counts = np.bincount(samples, minlength=len(probs)).astype(float)
+    probs = np.asarray(probs, np.float64) / np.sum(probs, dtype=np.float64)
+    exp = probs * len(samples)
+    big = exp >= 5
+    obs_b = np.append(counts[big], counts[~big].sum())
+    exp_b = np.append(exp[big], exp[~big].sum())
+    keep = exp_b > 0
+    assert counts[probs == 0].sum() == 0, "sampled a token the target gives zero probability"
+    return scipy.stats.chisquare(obs_b[keep], exp_b[keep]).pvalue
+
+
+@pytest.mark.parametrize("method,budget,noise", [("dflash", None, 0.0), ("ddtree", 8, 0.5)])
+def test_lossless_sampling(method, budget, noise):
+    """Committed tokens follow the target distribution (chi-square per position, 2000 fixed seeds, p > 1e-3)."""
+    model = tiny_target("qwen3", seed=7)
+    model.params = jax.tree.map(lambda x: x * 3.0, model.params)  # a likely greedy path, yet 4+ plausible tokens
+    sp = SamplingParams(temperature=1.0, top_k=12, top_p=0.95)
+    greedy = jaxspec.generate(model, input_ids=PROMPT, max_new_tokens=16).token_ids
+    d = oracle_drafter(model, PROMPT + greedy, noise=noise, max_rank=2, block_size=4)  # ddtree: demoted = sibling
+    samples, accepted = [], 0
+    for seed in range(2000):
+        r = jaxspec.generate(model, input_ids=PROMPT, drafter=d, method=method, budget=budget, max_new_tokens=3,
+                             temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=seed)
+        samples.append(r.token_ids)
+        accepted += r.stats["accepted_length_histogram"][0] == 0  # token 2 came from an accepted draft
+    assert accepted > 200  # the draft path is exercised, not just the bonus
+    for i, probs in enumerate(exact_marginals(model, sp, 3)):  # token 3 checks the samples at non-root nodes
+        assert chi2_pvalue(np.array([t[i] for t in samples]), probs) > 1e-3, f"token {i + 1}"
+
+
+def test_drafter_save_load_roundtrip(tmp_path):
+    m = tiny_target("qwen3")
+    d = jaxspec.init_drafter(m, num_layers=2, block_size=8, seed=1)
+    d.save(tmp_path / "drafter")
+    d2 = jaxspec.load_drafter(tmp_path / "drafter", m)
+    assert d2.config == d.config
+    for a, b in zip(jax.tree.leaves(d.params), jax.tree.leaves(d2.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    r1 = jaxspec.generate(m, input_ids=PROMPT, drafter=d, max_new_tokens=24)
+    r2 = jaxspec.generate(m, input_ids=PROMPT, drafter=d2, max_new_tokens=24)
+    assert r1.token_ids == r2.token_ids and r1.stats["accepted_length_histogram"] == r2.stats["accepted_length_histogram"]
+
+
+def test_load_zlab_layout(tmp_path):
+    """A checkpoint written with z-lab's config keys and unprefixed tensor names loads, transposed right."""
+    from safetensors.numpy import save_file
+
+    m = tiny_target("llama")
+    H, nH, nKV, hd, I = 64, 4, 2, 16, 96
+    cfg = {
+        "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "model_type": "qwen3", "hidden_size": H, "intermediate_size": I, "num_hidden_layers": 1,
+        "num_attention_heads": nH, "num_key_value_heads": nKV, "head_dim": hd, "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6, "max_position_embeddings": 1024, "vocab_size": 128, "attention_bias": False,
+        "tie_word_embeddings": False, "layer_types": ["full_attention"], "block_size": 16, "num_target_layers": 2,
+        "dflash_config": {"mask_token_id": 127, "target_layer_ids": [0, 1]},
+    }
+    rng = np.random.RandomState(0)
+    shapes = {"fc.weight": (H, 2 * H), "hidden_norm.weight": (H,), "norm.weight": (H,),
+              "layers.0.input_layernorm.weight": (H,), "layers.0.post_attention_layernorm.weight": (H,),
+              "layers.0.self_attn.q_proj.weight": (nH * hd, H), "layers.0.self_attn.k_proj.weight": (nKV * hd, H),
+              "layers.0.self_attn.v_proj.weight": (nKV * hd, H), "layers.0.self_attn.o_proj.weight": (H, nH * hd),
+              "layers.0.self_attn.q_norm.weight": (hd,), "layers.0.self_attn.k_norm.weight": (hd,),
+              "layers.0.mlp.gate_proj.weight": (I, H), "layers.0.mlp.up_proj.weight": (I, H),
+              "layers.0.mlp.down_proj.weight": (H, I)}
+    tensors = {k: rng.randn(*s).astype(np.float32) for k, s in shapes.items()}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    d = jaxspec.load_drafter(tmp_path, m)
+    assert d.config.block_size == 16 and d.config.target_layer_ids == (0, 1) and d.config.mask_token_id == 127
+    mod = d.module
+    np.testing.assert_array_equal(np.asarray(mod.fc.kernel[...]), tensors["fc.weight"].T)
+    np.testing.assert_array_equal(np.asarray(mod.layers[0].self_attn.o_proj.kernel[...]), tensors["layers.0.self_attn.o_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(mod.layers[0].self_attn.k_norm.weight[...]), tensors["layers.0.self_attn.k_norm.weight"])
+    res = jaxspec.generate(m, input_ids=PROMPT, drafter=d, max_new_tokens=20)
+    assert res.token_ids == jaxspec.generate(m, input_ids=PROMPT, max_new_tokens=20).token_ids
+
+
+def test_bad_inputs(tmp_path):
+    m = tiny_target("qwen3")
+    d = jaxspec.init_drafter(m, block_size=8)
+    other = tiny_target("llama")  # same sizes; vary one field at a time below
+    wide = jaxspec.random_model(other.config.replace(hidden_size=96))
+    with pytest.raises(ConfigError, match="hidden_size"):
+        jaxspec.generate(wide, input_ids=PROMPT, drafter=d)
+    with pytest.raises(ConfigError, match="vocab_size"):
+        jaxspec.generate(jaxspec.random_model(m.config.replace(vocab_size=256)), input_ids=PROMPT, drafter=d)
+    d.save(tmp_path / "d")
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    cfg["dflash_config"]["target_layer_ids"] = [0, 5]
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="target_layer_ids"):
+        jaxspec.load_drafter(tmp_path / "d", m)
+    for b in (0, -3, 1025, 2.5):
+        with pytest.raises(ValueError, match="budget"):
+            jaxspec.generate(m, input_ids=PROMPT, drafter=d, method="ddtree", budget=b)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        jaxspec.generate(m, input_ids=PROMPT, method="ddtree")
+    with pytest.raises(ValueError, match="one prompt at a time"):
+        jaxspec.generate(m, input_ids=[PROMPT, PROMPT], drafter=d)
+    with pytest.raises(ValueError, match="context"):
+        jaxspec.generate(m, input_ids=PROMPT * 80, drafter=d, max_new_tokens=64)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        jaxspec.load_drafter(tmp_path / "nope", m)
