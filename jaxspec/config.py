@@ -30,6 +30,9 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # llama.cpp's `rope_freqs` tensor (Llama 3.x GGUFs carry their llama3 scaling this way, with no metadata):
+    # per-frequency divisors of inv_freq, applied after the rope_type's own scaling
+    freq_factors: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,7 @@ def dense_config_from_dict(d: dict) -> DenseConfig:
     import transformers  # fills defaults and standardises rope_parameters
 
     kw = {k: v for k, v in d.items() if k not in ("model_type", "architectures", "auto_map", "transformers_version")}
+    freq_factors = tuple(float(f) for f in kw.pop("rope_freq_factors", None) or ())  # set by the GGUF reader
     try:
         hf = transformers.AutoConfig.for_model(model_type, **kw)
     except Exception as e:  # transformers raises many types for malformed values
@@ -133,6 +137,11 @@ def dense_config_from_dict(d: dict) -> DenseConfig:
         rope_local = _rope(rp.get("sliding_attention", rp.get("full_attention")))
     else:
         rope_global = rope_local = _rope(rp)
+    if freq_factors:
+        if len(freq_factors) != head_dim // 2:
+            raise ConfigError(f"rope_freqs has {len(freq_factors)} entries, head_dim {head_dim} needs {head_dim // 2}")
+        rope_global = dataclasses.replace(rope_global, freq_factors=freq_factors)
+        rope_local = dataclasses.replace(rope_local, freq_factors=freq_factors)
     gemma = model_type == "gemma3_text"
     sliding = getattr(hf, "sliding_window", None) if "sliding_attention" in layer_types else None
     act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")

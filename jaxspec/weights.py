@@ -168,9 +168,17 @@ def gguf_config(reader) -> dict:
             rope_local_base_freq=10000.0,
             hidden_activation="gelu_pytorch_tanh",
         )
-        scale = g("rope.scaling.factor")
-        if scale and float(scale) != 1.0:
-            d["rope_scaling"] = {"rope_type": "linear", "factor": float(scale)}
+    # llama.cpp writes linear scaling as metadata (for Gemma 3 it applies to the global layers only) ...
+    scale, scale_type = g("rope.scaling.factor"), g("rope.scaling.type")
+    if scale and float(scale) != 1.0:
+        if scale_type not in (None, "linear"):
+            raise WeightsError(f"GGUF rope scaling {scale_type!r} is not supported; jaxspec reads linear and "
+                               "llama3 (rope_freqs) scaling")
+        d["rope_scaling"] = {"rope_type": "linear", "factor": float(scale)}
+    # ... and llama3 scaling as a `rope_freqs` tensor of per-frequency divisors (no metadata at all)
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None:
+        d["rope_freq_factors"] = np.asarray(rope_freqs.data, np.float32).ravel().tolist()
     return d
 
 
@@ -220,5 +228,7 @@ def read_gguf(path: Path) -> tuple[dict, Iterator[tuple[str, np.ndarray]]]:
                 if arch == "gemma3_text" and hf.endswith("norm") and suffix == ".weight":
                     arr = arr - 1.0  # llama.cpp stores Gemma's (1 + w) norms with the 1 folded in
                 yield f"model.layers.{i}.{hf}{suffix}", arr
+            elif name != "rope_freqs":  # rope_freqs went into the config (gguf_config)
+                raise WeightsError(f"unexpected GGUF tensor {t.name}")
 
     return cfg, tensors()

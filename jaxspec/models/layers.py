@@ -63,7 +63,8 @@ class MLP(nnx.Module):
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
-    """inv_freq [head_dim/2] for the default, linear and llama3 RoPE types (HF modeling_rope_utils)."""
+    """inv_freq [head_dim/2] for the default, linear and llama3 RoPE types (HF modeling_rope_utils), and
+    llama.cpp's explicit per-frequency factors."""
     # float32 like HF, so long positions rotate by exactly the same angles
     exponent = np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim)
     inv = np.float32(1.0) / (np.float32(rope.theta) ** exponent)
@@ -77,6 +78,8 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
         mid = (1 - smooth) * scaled / rope.factor + smooth * scaled
         is_mid = (wavelen >= orig / hi) & (wavelen <= orig / lo)
         inv = np.where(is_mid, mid, scaled)
+    if rope.freq_factors:  # llama.cpp's rope_freqs divide the angle of each frequency
+        inv = inv / np.asarray(rope.freq_factors, np.float32)
     return inv.astype(np.float32)
 
 
