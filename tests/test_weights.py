@@ -12,20 +12,18 @@ import pytest
 import torch
 from flax import nnx
 
+import jaxspec
 import jaxspec.model as jm
 from jaxspec.config import ConfigError
 from jaxspec.weights import WeightsError
 
 
 def greedy_continuation(model, ids, n):
-    """n greedy tokens after `ids` [T], by plain causal forwards (`Model.logits`) over one right-padded buffer:
-    causal logits at t ignore the padding after t, and one buffer shape means one compile.
-    TODO(lead): switch to `jaxspec.generate(model, input_ids=..., method="ar")` once the engine settles."""
-    buf = np.zeros((1, len(ids) + n), np.int32)
-    buf[0, : len(ids)] = ids
-    for t in range(len(ids), len(ids) + n):
-        buf[0, t] = model.logits(buf)[0, t - 1].argmax()
-    return buf[0, len(ids):].tolist()
+    """n greedy tokens after `ids` from the on-device AR loop (EOS ignored: the comparison is token by token)."""
+    import dataclasses
+
+    no_eos = dataclasses.replace(model, config=model.config.replace(eos_token_ids=()), tokenizer=None)
+    return jaxspec.generate(no_eos, input_ids=list(ids), method="ar", max_new_tokens=n).token_ids
 
 
 # ------------------------------------------------------------------------------------------ real GGUF
