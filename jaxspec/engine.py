@@ -314,6 +314,7 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
         n = np.asarray(state["n"])
         ids = [out[b, : n[b]].tolist() for b in range(out.shape[0])]
         forwards = int(state["steps"])
+        stats["acceptance_length"] = 1.0
     else:
         ids = [out[: int(state["n"])].tolist()]
         rounds = int(state["rounds"])
@@ -332,7 +333,7 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
     decode_tokens = new_tokens - len(ids)  # the first token of each row comes from the prefill
     stats.update(
         new_tokens=new_tokens,
-        target_forwards=forwards,
+        steps=forwards,  # target forwards, the prefill included
         prefill_s=t1 - t0,
         decode_s=t2 - t1,
         tokens_per_second=decode_tokens / (t2 - t1) if t2 > t1 else 0.0,

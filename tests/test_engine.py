@@ -238,3 +238,11 @@ def test_bad_inputs(tmp_path):
         jaxspec.generate(m, input_ids=PROMPT * 80, drafter=d, max_new_tokens=64)
     with pytest.raises(FileNotFoundError, match="config.json"):
         jaxspec.load_drafter(tmp_path / "nope", m)
+
+
+def test_pallas_commit_in_the_loop(target, ar_ref):
+    """The engine with the Pallas KV-commit kernel (interpret mode on CPU) is lossless too."""
+    d = oracle_drafter(target, PROMPT + ar_ref, noise=0.3)
+    res = jaxspec.generate(target, input_ids=PROMPT, drafter=d, method="ddtree", budget=16, max_new_tokens=64,
+                           kv_impl="pallas")
+    assert res.token_ids == ar_ref[:64] and res.stats["acceptance_length"] > 2
