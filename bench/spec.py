@@ -19,7 +19,9 @@ import argparse
 import datetime
 import importlib.util
 import json
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -28,19 +30,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import jaxspec
-from jaxspec import engine
-from jaxspec.config import dense_config_from_dict
-from jaxspec.sampling import SamplingParams
-from jaxspec.testing import oracle_drafter
-from jaxspec.tree import ancestor_mask, build_tree
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-PROMPTS = [
-    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
-    "Explain in three sentences why the sky is blue.",
-    "List five tips for writing clear technical documentation.",
-    "Summarise the plot of a heist movie in one paragraph.",
-]
+import jaxspec  # noqa: E402
+from jaxspec import engine  # noqa: E402
+from jaxspec.config import dense_config_from_dict  # noqa: E402
+from jaxspec.sampling import SamplingParams  # noqa: E402
+from jaxspec.testing import oracle_drafter  # noqa: E402
+from jaxspec.train.data import read_prompts  # noqa: E402
+from jaxspec.tree import ancestor_mask, build_tree  # noqa: E402
+
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -119,7 +119,8 @@ def main(argv=None):
     ap.add_argument("--noise", type=float, default=0.1, help="oracle: chance a depth's right token is demoted")
     ap.add_argument("--budgets", default="8,16,32,64")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--prompts", type=int, default=len(PROMPTS))
+    ap.add_argument("--prompts", type=int, default=4, help="how many held-out prompts (never used in training)")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers generate reference (GGUF targets)")
     args = ap.parse_args(argv)
     budgets = [int(b) for b in args.budgets.split(",")]
 
@@ -128,7 +129,7 @@ def main(argv=None):
         rng = np.random.RandomState(1)
         inputs = [dict(input_ids=rng.randint(0, model.config.vocab_size, 32).tolist()) for _ in range(args.prompts)]
     else:
-        inputs = [dict(prompt=p) for p in PROMPTS[: args.prompts]]
+        inputs = [dict(prompt=p) for p in read_prompts("heldout")[: args.prompts]]
 
     rows = {"ar": [], "dflash": [], **{f"ddtree@{b}": [] for b in budgets}}
     for inp in inputs:
@@ -160,6 +161,11 @@ def main(argv=None):
         method, budget = (name.split("@")[0], int(name.split("@")[1])) if "@" in name else (name, drafter.config.block_size - 1)
         comp[name] = component_times(model, drafter, budget, method)
 
+    hf_tps = None
+    gguf = args.model or bundled_smollm2()
+    if not args.no_hf and args.model != "tiny" and str(gguf).endswith(".gguf"):
+        hf_tps = transformers_reference(model, gguf, inputs, args.max_new_tokens)
+
     ar_tps = statistics.mean(r["tps"] for r in rows["ar"])
     print(f"target={args.model or 'SmolLM2-135M (bundled)'} drafter={args.drafter} noise={args.noise} "
           f"max_new_tokens={args.max_new_tokens} prompts={len(inputs)} backend={jax.default_backend()}")
@@ -174,12 +180,60 @@ def main(argv=None):
         summary[name] = dict(tokens_per_second=tps, speedup=tps / ar_tps, acceptance_length=al,
                              verify_cost_ratio=vr, round_overhead=ov, components=c, per_prompt=rs)
         print(f"{name:<12}{tps:>9.1f}{tps / ar_tps:>7.2f}x{al:>12.2f}{vr:>11.2f}{(100 * ov if c else 0):>9.1f}%")
+    if hf_tps is not None:
+        print(f"{'hf generate':<12}{hf_tps:>9.1f}{hf_tps / ar_tps:>7.2f}x{1.0:>12.2f}")
     RESULTS.mkdir(exist_ok=True)
-    out = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), args=vars(args), results=summary)
+    out = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), args=vars(args),
+               transformers_tokens_per_second=hf_tps, results=summary)
     tag = "tiny" if args.model == "tiny" else "smollm2" if args.model is None else Path(args.model).stem
-    for f in (RESULTS / f"spec_{tag}_{args.drafter}.json",):
-        f.write_text(json.dumps(out, indent=2))
-    print(f"wrote {RESULTS / f'spec_{tag}_{args.drafter}.json'}")
+    name = f"spec_{tag}_{Path(args.drafter).name}"
+    (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=2))
+    plot(summary, budgets, hf_tps, RESULTS / f"{name}.png", f"{tag}, drafter {Path(args.drafter).name}")
+    print(f"wrote {RESULTS / name}.json and .png")
+
+
+def transformers_reference(model, gguf, inputs, max_new_tokens):
+    """transformers `generate` decode tokens/s on the same GGUF and prompts (bench/ar.py's method, 1 run)."""
+    import ar
+    import torch
+    import transformers
+
+    torch.set_num_threads(2)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(Path(gguf).parent), gguf_file=Path(gguf).name,
+                                                         dtype=torch.float32).eval()
+    ar.NEW_TOKENS, ar.RUNS = max_new_tokens, 1
+    pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else model.eos_token_ids[0]
+    return statistics.mean(ar.bench_hf(hf, "sdpa", engine.encode_prompt(model, i["prompt"], None), pad)["tokens_per_second"]
+                           for i in inputs)
+
+
+def plot(summary, budgets, hf_tps, path, title):
+    """tokens/s and acceptance length against the DDTree budget, with AR, DFlash and transformers as lines."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    tree = [summary[f"ddtree@{k}"] for k in budgets]
+    a.plot(budgets, [r["tokens_per_second"] for r in tree], "o-", label="DDTree")
+    a.axhline(summary["dflash"]["tokens_per_second"], color="C1", ls="--", label="DFlash chain")
+    a.axhline(summary["ar"]["tokens_per_second"], color="C2", ls=":", label="jaxspec AR")
+    if hf_tps:
+        a.axhline(hf_tps, color="C3", ls="-.", label="transformers generate")
+    a.set(xscale="log", xlabel="tree budget (nodes)", ylabel="decode tokens/s", title=title)
+    a.set_xticks(budgets, [str(k) for k in budgets])
+    a.legend()
+    b.plot(budgets, [r["acceptance_length"] for r in tree], "o-", label="DDTree")
+    b.axhline(summary["dflash"]["acceptance_length"], color="C1", ls="--", label="DFlash chain")
+    b.set(xscale="log", xlabel="tree budget (nodes)", ylabel="acceptance length (tokens / target forward)")
+    b.set_xticks(budgets, [str(k) for k in budgets])
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

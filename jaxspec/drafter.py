@@ -35,9 +35,13 @@ class Drafter:
         graphdef, params = nnx.split(module)
         return Drafter(module.config, graphdef, params)
 
-    def save(self, path) -> None:
-        """Write config.json + model.safetensors (unprefixed z-lab names) atomically."""
+    def save(self, path, dtype: str = "float32") -> None:
+        """Write config.json + model.safetensors (unprefixed z-lab names) atomically; dtype float32 or bfloat16."""
+        import ml_dtypes
         from safetensors.numpy import save_file
+
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"drafter save dtype must be float32 or bfloat16, got {dtype!r}")
 
         path = Path(path)
         tensors = {}
@@ -46,7 +50,7 @@ class Drafter:
             arr = np.asarray(var[...], np.float32)
             if name.endswith(".kernel"):
                 name, arr = name[: -len(".kernel")] + ".weight", arr.T
-            tensors[name] = np.ascontiguousarray(arr)
+            tensors[name] = np.ascontiguousarray(arr.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else arr)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-drafter-", dir=path.parent))
         try:

@@ -42,6 +42,7 @@ def parse_args(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ckpt-every", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--save-dtype", choices=("float32", "bfloat16"), default="float32", help="exported weights")
     return ap.parse_args(argv)
 
 
@@ -104,7 +105,7 @@ def run(args) -> None:
                       seed=args.seed, ckpt_every=args.ckpt_every, eval_every=args.eval_every)
     trained = train(model, drafter, data, taps, cfg, ckpt_dir=work / "checkpoints", heldout=heldout,
                     log=lambda m: print(m, file=sys.stderr))
-    trained.save(args.out)
+    trained.save(args.out, dtype=args.save_dtype)
     print(f"exported drafter to {args.out}", file=sys.stderr)
 
 
