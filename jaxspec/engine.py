@@ -202,13 +202,13 @@ def resolve_method(method: str, drafter: Drafter | None, budget: int | None) -> 
         raise ValueError(f"unknown method {method!r}; use one of: auto, {', '.join(METHODS)}")
     if method == "ar":
         if budget is not None:
-            raise ValueError("--budget applies to method ddtree only")
+            raise ValueError("budget applies to method ddtree only")
         return method, None
     if drafter is None:
         raise ValueError(f"method {method!r} needs a drafter (--drafter DIR, or jaxspec.init_drafter for a random one)")
     if method == "dflash":
         if budget is not None:
-            raise ValueError("--budget applies to method ddtree only; dflash verifies a chain of block_size - 1 tokens")
+            raise ValueError("budget applies to method ddtree only; dflash verifies a chain of block_size - 1 tokens")
         return method, drafter.config.block_size - 1
     budget = drafter.config.block_size - 1 if budget is None else budget
     if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or not 1 <= budget <= MAX_BUDGET:
@@ -243,6 +243,8 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
         if arr.ndim not in (1, 2):
             raise ValueError(f"input_ids must be [T] or [B, T], got shape {arr.shape}")
         single, rows = arr.ndim == 1, [r.tolist() for r in np.atleast_2d(arr)]
+    if on_tokens is not None and not single:
+        raise ValueError("streaming (on_tokens) needs a single prompt, not a batch")
     V, ctx = model.config.vocab_size, model.config.max_position_embeddings
     for r in rows:
         if not r:

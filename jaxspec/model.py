@@ -118,6 +118,11 @@ def _tokenizer(model_dir: Path, gguf_file: str | None = None):
     kw = {"gguf_file": gguf_file} if gguf_file else {}
     try:
         return transformers.AutoTokenizer.from_pretrained(str(model_dir), **kw)
+    except ModuleNotFoundError as e:
+        if gguf_file and e.name == "torch":
+            raise WeightsError("reading a GGUF tokenizer needs torch (transformers' GGUF reader imports it): "
+                               "pip install 'jaxspec[gguf]'") from e
+        raise
     except Exception as e:  # tokenizer files are optional; a broken one should not hide the weights
         raise WeightsError(f"cannot load the tokenizer from {model_dir}: {e}") from e
 
