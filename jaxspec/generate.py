@@ -37,9 +37,16 @@ def bundled_model() -> str | None:
     return str(path) if path.is_file() else None
 
 
+BUNDLED_DRAFTER = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-instruct"
+BUNDLED_BUDGET = 4  # the fastest DDTree budget for the bundled pair on a 2-core CPU (bench/spec.py)
+
+
 def default_drafter(model_path: str) -> str | None:
-    """The drafter used when --drafter is not given. None until a trained drafter ships with jaxspec;
-    then this returns its directory for the bundled model, and `--method auto` picks DDTree by itself."""
+    """The drafter used when --drafter is not given: the DFlash drafter trained by jaxspec for the bundled
+    SmolLM2 (so `--method auto` runs DDTree out of the box); other targets get none (AR)."""
+    bundled = bundled_model()
+    if bundled and Path(model_path).resolve() == Path(bundled).resolve() and (BUNDLED_DRAFTER / "config.json").is_file():
+        return str(BUNDLED_DRAFTER)
     return None
 
 
@@ -143,8 +150,11 @@ def run(args) -> None:
         raise UsageError(f"{model_path} has no tokenizer; the CLI needs tokenizer files beside the weights")
     drafter = load_drafter(drafter_path, model) if drafter_path and args.method != "ar" else None
     stream = None if args.json else TextStream(model.tokenizer, sys.stdout)
+    budget = args.budget
+    if budget is None and drafter_path == str(BUNDLED_DRAFTER) and args.method in ("auto", "ddtree"):
+        budget = BUNDLED_BUDGET
     res = engine.generate(model, prompt, drafter=drafter, method=args.method,
-                          budget=args.budget, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          budget=budget, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat, on_tokens=stream)
     if args.json:
         print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": res.stats}))

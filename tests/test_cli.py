@@ -224,3 +224,15 @@ def test_bundled_smollm2_smoke(capsys, smollm2_gguf):
     assert rc == 0, err
     assert "Paris" in out
     assert "tokens/s" in err.strip().splitlines()[-1]
+
+
+def test_bundled_drafter_is_default_and_lossless(capsys, smollm2_gguf):
+    """With no flags the bundled SmolLM2 runs DDTree with its trained drafter, token for token equal to AR."""
+    args = ("--prompt", "Write a haiku about the sea.", "--max-new-tokens", 40, "--json")
+    rc, out, err = cli(capsys, *args)
+    assert rc == 0, err
+    spec = json.loads(out)
+    assert spec["stats"]["method"] == "ddtree"
+    rc, out, err = cli(capsys, *args, "--method", "ar")
+    assert rc == 0, err
+    assert spec["token_ids"] == json.loads(out)["token_ids"]
