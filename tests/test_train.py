@@ -4,7 +4,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import jax
 import jax.numpy as jnp
@@ -66,42 +65,43 @@ def test_training_learns():
 
 
 RUN = textwrap.dedent("""
-    import sys, numpy as np, jax
+    import os, signal, sys, numpy as np, jax
     sys.path.insert(0, {tests!r})
     import jaxspec
-    from jaxspec.train.trainer import TrainConfig, train
+    import jaxspec.train.trainer as T
     from jaxspec.train.data import compute_taps
     from test_train import tiny_data, tiny_target
+    kill_at = int(sys.argv[3])
+    batch_of_step = T.sample_batch
+    def sample_batch(data, step, cfg, block_size):  # SIGKILL ourselves mid-run, between checkpoints
+        if step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return batch_of_step(data, step, cfg, block_size)
+    T.sample_batch = sample_batch
     m = tiny_target("qwen3")
     data, _ = tiny_data(m)
     d = jaxspec.init_drafter(m, num_layers=1, block_size=8)
     taps = compute_taps(m, data, d.config.target_layer_ids)
-    cfg = TrainConfig(steps=60, batch=4, anchors=8, lr=3e-3, ckpt_every=10, eval_every=1000)
-    out = train(m, d, data, taps, cfg, ckpt_dir=sys.argv[1], log=lambda s: print(s, flush=True))
+    cfg = T.TrainConfig(steps=60, batch=4, anchors=8, lr=3e-3, ckpt_every=10, eval_every=1000)
+    out = T.train(m, d, data, taps, cfg, ckpt_dir=sys.argv[1], log=lambda s: print(s, flush=True))
     np.save(sys.argv[2], np.concatenate([np.ravel(x) for x in jax.tree.leaves(out.params)]))
 """)
 
 
-def run_script(tmp_path, ckpt, out):
+def run_script(tmp_path, ckpt, out, kill_at=-1):
     script = tmp_path / "run.py"
     script.write_text(RUN.format(tests=os.path.dirname(__file__)))
-    return subprocess.Popen([sys.executable, str(script), str(ckpt), str(out)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    p = subprocess.run([sys.executable, str(script), str(ckpt), str(out), str(kill_at)], capture_output=True,
+                       text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    return p.returncode, p.stdout + p.stderr
 
 
 def test_sigkill_resume_matches_uninterrupted(tmp_path):
-    full = run_script(tmp_path, tmp_path / "ck_full", tmp_path / "full.npy")
-    assert full.wait(timeout=300) == 0, full.stdout.read()
-    p = run_script(tmp_path, tmp_path / "ck", tmp_path / "resumed.npy")
-    deadline = time.time() + 240
-    while not (tmp_path / "ck" / "20").exists():  # wait for a checkpoint past the start, then kill hard
-        assert time.time() < deadline and p.poll() is None, p.stdout.read() if p.poll() is not None else "timeout"
-        time.sleep(0.2)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    assert not (tmp_path / "resumed.npy").exists()
-    again = run_script(tmp_path, tmp_path / "ck", tmp_path / "resumed.npy")
-    log = again.stdout.read()
-    assert again.wait(timeout=300) == 0, log
-    assert "resumed from" in log
+    rc, log = run_script(tmp_path, tmp_path / "ck_full", tmp_path / "full.npy")
+    assert rc == 0, log
+    rc, log = run_script(tmp_path, tmp_path / "ck", tmp_path / "resumed.npy", kill_at=35)
+    assert rc == -signal.SIGKILL and not (tmp_path / "resumed.npy").exists(), log
+    rc, log = run_script(tmp_path, tmp_path / "ck", tmp_path / "resumed.npy")
+    assert rc == 0, log
+    assert "at step 30" in log  # resumed from the last checkpoint before the kill, not from scratch
     np.testing.assert_allclose(np.load(tmp_path / "resumed.npy"), np.load(tmp_path / "full.npy"), rtol=1e-5, atol=1e-6)
