@@ -105,3 +105,32 @@ def test_sigkill_resume_matches_uninterrupted(tmp_path):
     assert rc == 0, log
     assert "at step 30" in log  # resumed from the last checkpoint before the kill, not from scratch
     np.testing.assert_allclose(np.load(tmp_path / "resumed.npy"), np.load(tmp_path / "full.npy"), rtol=1e-5, atol=1e-6)
+
+
+def test_train_cli_end_to_end(tmp_path, capsys):
+    """`python -m jaxspec.train` on a tiny target with a tokenizer: data, training, export, rerun resumes."""
+    import json
+
+    from jaxspec.train.__main__ import main
+    from test_cli import char_tokenizer, save_tiny
+
+    model_dir = save_tiny(tmp_path / "model")
+    char_tokenizer().save_pretrained(model_dir)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["Hi there", "Count to five", "Say yes"]))
+
+    def argv(steps, prompt_file=prompts, work="work"):
+        return ["--model", str(model_dir), "--prompts", str(prompt_file), "--heldout", str(prompts),
+                "--out", str(tmp_path / "out"), "--work", str(tmp_path / work), "--steps", str(steps), "--batch", "2",
+                "--anchors", "4", "--seq-len", "48", "--num-layers", "1", "--num-taps", "1", "--block-size", "4",
+                "--samples", "2", "--ckpt-every", "3", "--eval-every", "6", "--eval-prompts", "1"]
+
+    assert main(argv(6)) == 0, capsys.readouterr().err
+    d = jaxspec.load_drafter(tmp_path / "out", jaxspec.load(model_dir))
+    assert d.config.block_size == 4
+    assert len(np.load(tmp_path / "work" / "data.npz")["tokens"]) == 6  # 3 prompts x 2 answers
+    capsys.readouterr()
+    assert main(argv(9, prompt_file=tmp_path / "gone.jsonl")) == 0  # data cached, so the prompts are not read
+    assert "resumed from" in capsys.readouterr().err
+    assert main(argv(1, prompt_file=tmp_path / "gone.jsonl", work="fresh")) == 2
+    assert "not found" in capsys.readouterr().err and not (tmp_path / "fresh").exists()  # nothing half-written

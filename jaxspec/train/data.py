@@ -58,18 +58,24 @@ def read_prompts(source: str | Path) -> list[str]:
     return prompts
 
 
-def self_distill(model: Model, prompts: list[str], seq_len: int, *, batch: int = 16, temperature: float = 0.0,
-                 seed: int = 0) -> Dataset:
-    """The target's own answers to `prompts` (chat template on), as training sequences of length seq_len."""
+def self_distill(model: Model, prompts: list[str], seq_len: int, *, samples: int = 1, temperature: float = 0.8,
+                 batch: int = 16, seed: int = 0) -> Dataset:
+    """The target's own answers to `prompts` (chat template on), as training sequences of length seq_len.
+
+    The first answer per prompt is greedy (what greedy decoding will ask the drafter for); each further one
+    of `samples` is drawn at `temperature`, which multiplies the data without leaving the target's
+    distribution.
+    """
     rows, masks = [], []
     encoded = [encode_prompt(model, p, None)[: seq_len // 2] for p in prompts]
-    for i in tqdm(range(0, len(encoded), batch), desc="self-distillation", unit="batch"):
-        chunk = encoded[i : i + batch]
-        res = generate(model, input_ids=chunk, method="ar", max_new_tokens=seq_len - max(map(len, chunk)),
-                       temperature=temperature, seed=seed + i)
-        for p, out in zip(chunk, res.token_ids):
-            rows.append(p + out)
-            masks.append([False] * len(p) + [True] * len(out))
+    for k in range(samples):
+        for i in tqdm(range(0, len(encoded), batch), desc=f"self-distillation {k + 1}/{samples}", unit="batch"):
+            chunk = encoded[i : i + batch]
+            res = generate(model, input_ids=chunk, method="ar", max_new_tokens=seq_len - max(map(len, chunk)),
+                           temperature=temperature if k else 0.0, seed=seed + k * len(encoded) + i)
+            for p, out in zip(chunk, res.token_ids):
+                rows.append(p + out)
+                masks.append([False] * len(p) + [True] * len(out))
     return _pack(rows, masks, seq_len)
 
 
