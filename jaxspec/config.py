@@ -229,6 +229,9 @@ class DrafterConfig:
     attention_bias: bool = False
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
+    # Target token ids the drafter may propose (its head is the target's restricted to these rows), or ()
+    # for the whole vocabulary. Stored as the `draft_vocab` tensor beside the weights.
+    draft_vocab: tuple[int, ...] = ()
 
     @property
     def is_sliding(self) -> tuple[bool, ...]:
@@ -266,6 +269,7 @@ class DrafterConfig:
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            **({"draft_vocab_size": len(self.draft_vocab)} if self.draft_vocab else {}),
         }
 
 

@@ -1,6 +1,7 @@
 """The DFlash drafter handle: `load_drafter`, `init_drafter`, `Drafter.save` (z-lab's released layout)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -51,6 +52,8 @@ class Drafter:
             if name.endswith(".kernel"):
                 name, arr = name[: -len(".kernel")] + ".weight", arr.T
             tensors[name] = np.ascontiguousarray(arr.astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else arr)
+        if self.config.draft_vocab:
+            tensors["draft_vocab"] = np.asarray(self.config.draft_vocab, np.int64)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-drafter-", dir=path.parent))
         try:
@@ -80,6 +83,9 @@ def check_fits(cfg: DrafterConfig, model: Model) -> None:
         raise ConfigError(f"drafter mask_token_id {cfg.mask_token_id} is outside the target vocabulary of {t.vocab_size}")
     if not 2 <= cfg.block_size <= MAX_BLOCK_SIZE:
         raise ConfigError(f"drafter block_size {cfg.block_size} must be in [2, {MAX_BLOCK_SIZE}]")
+    v = np.asarray(cfg.draft_vocab, np.int64)
+    if v.size and (v.min() < 0 or v.max() >= t.vocab_size or np.unique(v).size != v.size):
+        raise ConfigError(f"drafter draft_vocab must hold distinct token ids below the target's vocab_size {t.vocab_size}")
 
 
 def _zlab_path(name: str) -> str:
@@ -97,11 +103,23 @@ def load_drafter(path, model: Model) -> Drafter:
     except json.JSONDecodeError as e:
         raise ConfigError(f"{cfg_file} is not valid JSON ({e})") from e
     cfg = drafter_config_from_dict(d)
+    if d.get("draft_vocab_size"):
+        cfg = dataclasses.replace(cfg, draft_vocab=_read_draft_vocab(path, int(d["draft_vocab_size"])))
     check_fits(cfg, model)
     dt = model.dtype
     module = assign(lambda: DFlashDrafter(cfg, dtype=dt, rngs=nnx.Rngs(0)), read_safetensors(path), dt,
-                    path_fn=_zlab_path, skip=("embed_tokens", "lm_head"))
+                    path_fn=_zlab_path, skip=("embed_tokens", "lm_head", "draft_vocab"))
     return Drafter.from_module(module)
+
+
+def _read_draft_vocab(path: Path, size: int) -> tuple[int, ...]:
+    for name, arr in read_safetensors(path):
+        if name == "draft_vocab":
+            if arr.shape != (size,) or arr.dtype.kind not in "iu":
+                raise WeightsError(f"drafter tensor draft_vocab has shape {arr.shape} and dtype {arr.dtype}; "
+                                   f"config.json's draft_vocab_size implies integer ids of shape ({size},)")
+            return tuple(int(i) for i in arr)
+    raise WeightsError(f"drafter {path} sets draft_vocab_size but its safetensors lack the draft_vocab tensor; re-export it")
 
 
 def default_mask_token(model: Model) -> int:
@@ -121,12 +139,19 @@ def default_mask_token(model: Model) -> int:
     return model.config.vocab_size - 1
 
 
+def tap_layers(model: Model, num_taps: int) -> tuple[int, ...]:
+    """The target layers a new drafter reads (DFlash's placement, kept in range for tiny targets)."""
+    n = model.config.num_layers
+    return tuple(min(max(i, 0), n - 1) for i in default_target_layer_ids(n, num_taps))
+
+
 def init_drafter(model: Model, num_layers: int = 1, block_size: int = 16, seed: int = 0, *,
-                 num_taps: int | None = None, mask_token_id: int | None = None) -> Drafter:
-    """A randomly initialised drafter that fits `model` (tests, and the starting point of training)."""
+                 num_taps: int | None = None, mask_token_id: int | None = None, draft_vocab=()) -> Drafter:
+    """A randomly initialised drafter that fits `model` (tests, and the starting point of training).
+
+    draft_vocab: the token ids it may propose (e.g. `jaxspec.train.data.frequent_tokens`); () for all.
+    """
     t = model.config
-    taps = default_target_layer_ids(t.num_layers, num_taps or num_layers)
-    taps = tuple(min(max(i, 0), t.num_layers - 1) for i in taps)  # tiny targets: keep taps in range
     cfg = DrafterConfig(
         hidden_size=t.hidden_size,
         intermediate_size=t.intermediate_size,
@@ -137,12 +162,13 @@ def init_drafter(model: Model, num_layers: int = 1, block_size: int = 16, seed: 
         vocab_size=t.vocab_size,
         block_size=block_size,
         mask_token_id=default_mask_token(model) if mask_token_id is None else mask_token_id,
-        target_layer_ids=taps,
+        target_layer_ids=tap_layers(model, num_taps or num_layers),
         num_target_layers=t.num_layers,
         rms_norm_eps=t.rms_norm_eps,
         rope=t.rope_global,
         max_position_embeddings=t.max_position_embeddings,
         layer_types=("full_attention",) * num_layers,
+        draft_vocab=tuple(sorted(int(i) for i in draft_vocab)),
     )
     check_fits(cfg, model)
     return Drafter.from_module(DFlashDrafter(cfg, dtype=model.dtype, rngs=nnx.Rngs(seed)))

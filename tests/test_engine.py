@@ -10,6 +10,7 @@ import scipy.stats
 
 import jaxspec
 from jaxspec.config import ConfigError, dense_config_from_dict
+from jaxspec.weights import WeightsError
 from jaxspec.sampling import SamplingParams, filtered_logits
 from jaxspec.testing import oracle_drafter
 from jaxspec.tree import ancestor_mask, build_tree
@@ -177,6 +178,23 @@ def test_drafter_save_load_roundtrip(tmp_path):
     assert r1.token_ids == r2.token_ids and r1.stats["accepted_length_histogram"] == r2.stats["accepted_length_histogram"]
 
 
+def test_draft_vocab(tmp_path, target, ar_ref):
+    """A drafter restricted to a draft vocabulary proposes only those ids, stays lossless, and round-trips."""
+    vocab = tuple(range(0, 128, 3))
+    d = jaxspec.init_drafter(target, num_layers=1, block_size=8, seed=3, draft_vocab=vocab)
+    mod = d.module
+    cache = mod.append_context(mod.init_cache(1, 32), jax.random.normal(jax.random.key(0), (1, 5, 64 * len(
+        d.config.target_layer_ids))), 5)
+    logits = np.asarray(mod.draft_logits(target.module, cache, jnp.int32(PROMPT[0]), jnp.int32(5)))  # [7, V]
+    assert np.isneginf(np.delete(logits, vocab, axis=1)).all() and np.isfinite(logits[:, vocab]).all()
+    for method, budget in (("dflash", None), ("ddtree", 16)):
+        res = jaxspec.generate(target, input_ids=PROMPT, drafter=d, method=method, budget=budget, max_new_tokens=64)
+        assert res.token_ids == ar_ref[:64]
+    d.save(tmp_path / "d")
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["draft_vocab_size"] == len(vocab)
+    assert jaxspec.load_drafter(tmp_path / "d", target).config == d.config
+
+
 def test_load_zlab_layout(tmp_path):
     """A checkpoint written with z-lab's config keys and unprefixed tensor names loads, transposed right."""
     from safetensors.numpy import save_file
@@ -238,6 +256,13 @@ def test_bad_inputs(tmp_path):
         jaxspec.generate(m, input_ids=PROMPT * 80, drafter=d, max_new_tokens=64)
     with pytest.raises(FileNotFoundError, match="config.json"):
         jaxspec.load_drafter(tmp_path / "nope", m)
+    cfg["dflash_config"]["target_layer_ids"] = [0, 1]
+    cfg["draft_vocab_size"] = 16  # promised, but the weights carry no draft_vocab tensor
+    (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(WeightsError, match="draft_vocab"):
+        jaxspec.load_drafter(tmp_path / "d", m)
+    with pytest.raises(ConfigError, match="draft_vocab"):
+        jaxspec.init_drafter(m, draft_vocab=[3, 500])
 
 
 def test_pallas_commit_in_the_loop(target, ar_ref):

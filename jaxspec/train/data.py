@@ -102,6 +102,19 @@ def _pack(rows, masks, seq_len) -> Dataset:
     return Dataset(tokens, loss, lengths)
 
 
+def frequent_tokens(data: Dataset, k: int, always=()) -> tuple[int, ...]:
+    """The k token ids most frequent among the training targets (plus `always`, e.g. EOS), sorted: a draft
+    vocabulary. Ties break towards lower ids, so the choice is deterministic."""
+    counts = np.bincount(data.tokens[data.loss_mask], minlength=int(data.tokens.max()) + 1)
+    order = np.argsort(-counts, kind="stable")
+    ids = set(int(i) for i in always)
+    for i in order:
+        if len(ids) >= k:
+            break
+        ids.add(int(i))
+    return tuple(sorted(ids))
+
+
 def compute_taps(model: Model, data: Dataset, taps: tuple[int, ...], *, batch: int = 4) -> np.ndarray:
     """The frozen target's tap features for every sequence: [N, S, len(taps) * H] float32.
 

@@ -77,13 +77,18 @@ def block_loss(target, drafter, taps, tokens, loss_mask, anchors, keep, mask_tok
     labels = jnp.take_along_axis(tokens[:, None, :], idxc, axis=2)  # x_{a+k}
     block = jnp.where(k == 0, labels, mask_token_id)  # [x_a, MASK...]
     h = drafter.train_forward(taps, target.embed(block), anchors)  # [Bs, A, Bk, H]
-    logits = target.head(h[:, :, 1:])  # [Bs, A, Bk-1, V]
+    logits = drafter.head(target, h[:, :, 1:])  # [Bs, A, Bk-1, K]
+    labels = labels[..., 1:]
+    vocab = drafter.config.draft_vocab
+    if vocab:  # target ids -> draft-vocabulary rows; -1 for tokens the drafter can never propose
+        t2d = jnp.full((drafter.config.vocab_size,), -1, jnp.int32).at[jnp.asarray(vocab)].set(jnp.arange(len(vocab)))
+        labels = t2d[labels]
     w = jnp.exp(-(k[1:] - 1) / gamma) * inside[..., 1:] * jnp.take_along_axis(loss_mask[:, None, :], idxc, 2)[..., 1:]
     w = w * keep[..., None]
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels[..., 1:])
-    acc = (jnp.argmax(logits, -1) == labels[..., 1:]).astype(jnp.float32)
-    denom = w.sum() + 1e-6
-    return (w * ce).sum() / denom, (w * acc).sum() / denom
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(labels, 0))
+    acc = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)  # out-of-vocabulary slots count as misses
+    w_ce = w * (labels >= 0)
+    return (w_ce * ce).sum() / (w_ce.sum() + 1e-6), (w * acc).sum() / (w.sum() + 1e-6)
 
 
 def train(model: Model, drafter: Drafter, data: Dataset, taps: np.ndarray, cfg: TrainConfig, *, ckpt_dir: Path,
