@@ -53,10 +53,14 @@ def test_frequent_tokens():
     assert frequent_tokens(data, 3, always=(0,)) == (0, 1, 5)
 
 
-def test_training_learns():
+@pytest.mark.parametrize("draft_vocab", [0, 64])
+def test_training_learns(draft_vocab):
+    """Loss falls and acceptance rises, also with a draft vocabulary (its label mapping must be right for
+    acceptance to rise: verification only accepts the target's own tokens)."""
     m = tiny_target("qwen3")
     data, prompts = tiny_data(m)
-    d = jaxspec.init_drafter(m, num_layers=1, block_size=8)
+    vocab = frequent_tokens(data, draft_vocab) if draft_vocab else ()
+    d = jaxspec.init_drafter(m, num_layers=1, block_size=8, draft_vocab=vocab)
     taps = compute_taps(m, data, d.config.target_layer_ids)
     cfg = TrainConfig(steps=150, batch=4, anchors=8, lr=3e-3, ckpt_every=1000, eval_every=1000)
     args = lambda dd: (m.module, dd.module, jnp.asarray(taps[:4]), jnp.asarray(data.tokens[:4]),  # noqa: E731
@@ -133,14 +137,16 @@ def test_train_cli_end_to_end(tmp_path, capsys):
         return ["--model", str(model_dir), "--prompts", str(prompt_file), "--heldout", str(prompts),
                 "--out", str(tmp_path / "out"), "--work", str(tmp_path / work), "--steps", str(steps), "--batch", "2",
                 "--anchors", "4", "--seq-len", "48", "--num-layers", "1", "--num-taps", "1", "--block-size", "4",
-                "--samples", "2", "--ckpt-every", "3", "--eval-every", "6", "--eval-prompts", "1"]
+                "--samples", "2", "--ckpt-every", "3", "--eval-every", "6", "--eval-prompts", "1", "--draft-vocab", "32"]
 
     assert main(argv(6)) == 0, capsys.readouterr().err
     d = jaxspec.load_drafter(tmp_path / "out", jaxspec.load(model_dir))
-    assert d.config.block_size == 4
+    assert d.config.block_size == 4 and len(d.config.draft_vocab) == 32
     assert len(np.load(tmp_path / "work" / "data.npz")["tokens"]) == 6  # 3 prompts x 2 answers
     capsys.readouterr()
     assert main(argv(9, prompt_file=tmp_path / "gone.jsonl")) == 0  # data cached, so the prompts are not read
     assert "resumed from" in capsys.readouterr().err
     assert main(argv(1, prompt_file=tmp_path / "gone.jsonl", work="fresh")) == 2
     assert "not found" in capsys.readouterr().err and not (tmp_path / "fresh").exists()  # nothing half-written
+    assert main(argv(1, work="fresh") + ["--draft-vocab", "-1"]) == 2
+    assert "--draft-vocab" in capsys.readouterr().err and not (tmp_path / "fresh").exists()
