@@ -37,7 +37,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxspec  # noqa: E402
-from jaxspec.engine import encode_prompt  # noqa: E402
+from jaxspec.api import encode_prompt  # noqa: E402
 from jaxspec.generate import bundled_model  # noqa: E402
 
 PROMPTS = [

@@ -16,6 +16,7 @@ untrained drafter (acceptance ~1: the pure cost of speculation).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.util
 import json
@@ -35,11 +36,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import jaxspec  # noqa: E402
 from jaxspec import engine  # noqa: E402
+from jaxspec.api import encode_prompt  # noqa: E402
 from jaxspec.config import dense_config_from_dict  # noqa: E402
 from jaxspec.sampling import SamplingParams  # noqa: E402
+from jaxspec.segment import Segment  # noqa: E402
 from jaxspec.testing import oracle_drafter  # noqa: E402
 from jaxspec.train.data import read_prompts  # noqa: E402
-from jaxspec.tree import ancestor_mask, build_tree  # noqa: E402
+from jaxspec.tree import build_chain, build_tree, tree_segment  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -75,39 +78,38 @@ def component_times(model, drafter, budget, method, L=256):
     """Median seconds of: one AR step, draft, tree verify, and a full round, at cache length L."""
     tg, tp, dg, dp = model.graphdef, model.params, drafter.graphdef, drafter.params
     dc = drafter.config
-    st = engine.SpecSettings(method, budget, dc.block_size, dc.target_layer_ids, SamplingParams(), (-1,))
+    settings = engine.SpecSettings(method, budget, dc.block_size, dc.target_layer_ids, SamplingParams(), (-1,))
     T = L + 512
     rng = np.random.RandomState(0)
     prompt = jnp.asarray(rng.randint(0, model.config.vocab_size, (1, L)), jnp.int32)
-    state = engine._spec_prefill(tg, tp, dg, dp, prompt, jnp.int32(L), jax.random.key(0), jnp.int32(10**6),
-                                 max_len=T, out_len=64 + dc.block_size, st=st)
-    state = dict(state, n=jnp.int32(0))  # keep rounds from ending on max_new
+    state = engine.spec_prefill(tg, tp, dg, dp, prompt, jnp.int32(L), jax.random.key(0), jnp.int32(10**6),
+                                max_len=T, out_len=64 + dc.block_size, settings=settings)
+    state = dataclasses.replace(state, emitted=jnp.int32(0))  # keep rounds from ending on max_new
 
     @jax.jit
     def ar_step(tp, cache, tok):
-        return nnx.merge(tg, tp)(tok[None, None], (cache.length + jnp.zeros((1, 1), jnp.int32)), cache,
-                                 jnp.ones((1, 1, 1), bool))[0]
+        return nnx.merge(tg, tp)(tok[None, None], Segment.causal(cache.length + jnp.zeros((1, 1), jnp.int32)), cache)[0]
 
     @jax.jit
     def draft(tp, dp, s):
-        return nnx.merge(dg, dp).draft_logits(nnx.merge(tg, tp), s["dcache"], s["bonus"], s["cache"].length)
+        return nnx.merge(dg, dp).draft_logits(nnx.merge(tg, tp), s.draft_cache, s.bonus, s.cache.length)
 
     draft_logits = draft(tp, dp, state)
-    tree = build_tree(draft_logits, budget) if method == "ddtree" else engine.build_chain(draft_logits)
+    tree = build_tree(draft_logits, budget) if method == "ddtree" else build_chain(draft_logits)
 
     @jax.jit
     def verify(tp, cache, tree):
-        pos = (cache.length + tree.depths)[None]
-        return nnx.merge(tg, tp)(tree.tokens[None], pos, cache, ancestor_mask(tree)[None], taps=st.taps)[0]
+        return nnx.merge(tg, tp)(tree.tokens[None], tree_segment(tree, cache.length), cache,
+                                 tap_layers=settings.tap_layers)[0]
 
     @jax.jit
     def one_round(tp, dp, s):
-        return engine.spec_round(nnx.merge(tg, tp), nnx.merge(dg, dp), s, st)
+        return engine.spec_round(nnx.merge(tg, tp), nnx.merge(dg, dp), s, settings)
 
     return dict(
-        ar_step_s=timeit(ar_step, tp, state["cache"], state["bonus"]),
+        ar_step_s=timeit(ar_step, tp, state.cache, state.bonus),
         draft_s=timeit(draft, tp, dp, state),
-        verify_s=timeit(verify, tp, state["cache"], tree),
+        verify_s=timeit(verify, tp, state.cache, tree),
         round_s=timeit(one_round, tp, dp, state),
     )
 
@@ -137,7 +139,7 @@ def main(argv=None):
         ar = jaxspec.generate(model, **inp, method="ar", max_new_tokens=args.max_new_tokens)  # warm
         rows["ar"].append(dict(tps=ar.stats["tokens_per_second"], al=1.0, n=ar.stats["new_tokens"]))
         if args.drafter == "oracle":
-            ids = (inp.get("input_ids") or engine.encode_prompt(model, inp["prompt"], None)) + ar.token_ids
+            ids = (inp.get("input_ids") or encode_prompt(model, inp["prompt"], None)) + ar.token_ids
             drafter = oracle_drafter(model, ids, noise=args.noise)
         elif args.drafter == "random":
             drafter = jaxspec.init_drafter(model, num_layers=1)
@@ -203,7 +205,7 @@ def transformers_reference(model, gguf, inputs, max_new_tokens):
                                                          dtype=torch.float32).eval()
     ar.NEW_TOKENS, ar.RUNS = max_new_tokens, 1
     pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else model.eos_token_ids[0]
-    return statistics.mean(ar.bench_hf(hf, "sdpa", engine.encode_prompt(model, i["prompt"], None), pad)["tokens_per_second"]
+    return statistics.mean(ar.bench_hf(hf, "sdpa", encode_prompt(model, i["prompt"], None), pad)["tokens_per_second"]
                            for i in inputs)
 
 

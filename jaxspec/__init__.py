@@ -1,6 +1,6 @@
 """jaxspec: lossless speculative decoding (DFlash drafter + DDTree verification) in JAX."""
+from jaxspec.api import GenerationResult, generate
 from jaxspec.drafter import Drafter, init_drafter, load_drafter
-from jaxspec.engine import GenerationResult, generate
 from jaxspec.model import Model, load, random_model
 
 __all__ = ["load", "load_drafter", "init_drafter", "generate", "GenerationResult", "Model", "Drafter", "random_model"]

@@ -1,41 +1,92 @@
-"""Cache pytrees.
+"""Caches that commit themselves: one pytree with a shared header and one entry per layer.
 
-`KVCache` is a dense per-layer K/V buffer shared by every row of the batch at the same slot index:
-prompts are left-padded, so one `dynamic_update_slice` at slot `length` writes a step for all rows,
-and row b's committed tokens are slots `start[b] .. length-1` at RoPE positions `slot - start[b]`.
-Slots at and past `length` are scratch: a forward writes its new tokens there ("pending"), and
-`length` only moves when tokens are committed (AR: +N; tree verify: the accepted path, compacted).
+The header is shared by every layer: `length`, the committed slots (left padding included), and `start`,
+each row's first real slot (prompts are left-padded, so row b's committed tokens are slots
+`start[b] .. length-1` at positions `slot - start[b]`). A forward appends N tokens as *pending* state
+without moving `length`; the engine then keeps them in one of two ways, and each entry type decides what
+that means for its own buffers:
+
+  * `advance(n)`: keep the first n appended tokens as they are (prefill, AR decode);
+  * `commit(path, n)`: keep tree nodes `path[:n]` in that order (speculative verify: the accepted path).
+
+A KV entry is slot-addressed: the forward writes K/V at slots `length ..`, `advance` has nothing to do,
+and `commit` moves the accepted rows into place (`pallas_kernels.kv_commit`). A recurrent entry will fold
+its pending state instead. The conformance tests (tests/test_cache.py) hold every entry type to one promise:
+verify + commit equals a causal prefill of the accepted tokens.
+
+Every buffer declares logical axis names (`AXES`), the metadata that sharding maps onto a mesh; a
+`seq` axis also tells generic code (and the conformance tests) which slots are committed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from pallas_kernels.kv_commit import kv_commit
 
 
 @jax.tree_util.register_dataclass
 @dataclass
-class KVCache:
-    k: tuple[jax.Array, ...]  # per layer [B, KVH, T, D]
-    v: tuple[jax.Array, ...]  # per layer [B, KVH, T, D]
-    length: jax.Array  # [] int32: slots in use (committed tokens, incl. left padding)
-    start: jax.Array  # [B] int32: first real slot of each row (left padding before it)
+class KVEntry:
+    """K and V of one attention layer, by slot."""
 
-    @property
-    def max_len(self) -> int:
-        return self.k[0].shape[2]
+    k: jax.Array  # [B, KVH, T, D]
+    v: jax.Array  # [B, KVH, T, D]
+    AXES: ClassVar[dict[str, tuple[str, ...]]] = {"k": ("batch", "kv_heads", "seq", "head_dim"),
+                                                  "v": ("batch", "kv_heads", "seq", "head_dim")}
 
     @staticmethod
-    def init(num_layers: int, batch: int, num_kv_heads: int, max_len: int, head_dim: int, dtype) -> "KVCache":
-        z = lambda: jnp.zeros((batch, num_kv_heads, max_len, head_dim), dtype)  # noqa: E731
-        return KVCache(
-            k=tuple(z() for _ in range(num_layers)),
-            v=tuple(z() for _ in range(num_layers)),
-            length=jnp.zeros((), jnp.int32),
-            start=jnp.zeros((batch,), jnp.int32),
-        )
+    def init(batch: int, max_len: int, num_kv_heads: int, head_dim: int, dtype) -> "KVEntry":
+        return KVEntry(*(jnp.zeros((batch, num_kv_heads, max_len, head_dim), dtype) for _ in range(2)))
 
-    def advance(self, n) -> "KVCache":
-        """Commit the next n pending slots as they are (prefill and AR decode)."""
-        return KVCache(self.k, self.v, self.length + n, self.start)
+    def write(self, k: jax.Array, v: jax.Array, length) -> "KVEntry":
+        """New k, v [B, N, KVH, D] go to slots length .. length+N-1 (the caller sizes the cache so they fit)."""
+        put = lambda buf, x: jax.lax.dynamic_update_slice(buf, x.transpose(0, 2, 1, 3).astype(buf.dtype), (0, 0, length, 0))  # noqa: E731
+        return KVEntry(put(self.k, k), put(self.v, v))
+
+    def advance(self, n) -> "KVEntry":
+        return self  # the appended slots already sit where they belong
+
+    def commit(self, path, n, length, impl: str) -> "KVEntry":
+        """Slot length + path[i] -> length + i for i < n. RoPE needs no fix-up: node path[i] sits at depth
+        i, so its position was already length + i."""
+        return KVEntry(kv_commit(self.k, path, length, n, impl=impl), kv_commit(self.v, path, length, n, impl=impl))
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Cache:
+    layers: tuple[Any, ...]  # one entry per layer (KVEntry, ...)
+    length: jax.Array  # [] int32: committed slots, left padding included
+    start: jax.Array  # [B] int32: first real slot of each row
+    max_len: int = field(metadata=dict(static=True))  # slots per row
+
+    @staticmethod
+    def init(layers, batch: int, max_len: int) -> "Cache":
+        return Cache(tuple(layers), jnp.zeros((), jnp.int32), jnp.zeros((batch,), jnp.int32), max_len)
+
+    def with_start(self, start) -> "Cache":
+        return replace(self, start=jnp.asarray(start, jnp.int32))
+
+    def advance(self, n) -> "Cache":
+        """Keep the first n appended tokens (traced n is fine)."""
+        return replace(self, layers=tuple(e.advance(n) for e in self.layers), length=self.length + n)
+
+    def commit(self, path, n, *, impl: str = "xla") -> "Cache":
+        """Keep tree nodes path[:n] (path [P] int32, path[0] = 0 the root, strictly increasing) in order.
+
+        impl: the KV commit's implementation, "xla" or "pallas" (pallas_kernels.kv_commit)."""
+        layers = tuple(e.commit(path, n, self.length, impl) for e in self.layers)
+        return replace(self, layers=layers, length=self.length + n)
+
+    def logical_axes(self) -> "Cache":
+        """The same pytree with a logical PartitionSpec in place of every buffer."""
+        def spec(entry):
+            return replace(entry, **{name: PartitionSpec(*axes) for name, axes in entry.AXES.items()})
+
+        return replace(self, layers=tuple(spec(e) for e in self.layers), length=PartitionSpec(),
+                       start=PartitionSpec("batch"))

@@ -1,23 +1,36 @@
 """Typed model configs parsed from Hugging Face `config.json`.
 
-One frozen dataclass per family. `transformers.AutoConfig` fills in the defaults and standardises the
+One frozen dataclass per family; the engine, drafter, trainer and CLI read only the `TargetConfig`
+protocol that all of them satisfy. `transformers.AutoConfig` fills in the defaults and standardises the
 RoPE fields (legacy `rope_theta` / `rope_scaling` / Gemma's `rope_local_base_freq` all become
-`rope_parameters`), so a real config.json and a tiny test config go through the same path.
+`rope_parameters`), so a real config.json and a tiny test config go through the same path. Which
+`model_type` goes to which family's parser is `models/registry.py`'s business.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Protocol
 
-DENSE_TYPES = ("llama", "qwen3", "gemma3_text")
-SUPPORTED_TYPES = DENSE_TYPES + ("gemma3",)
+DENSE_TYPES = ("llama", "qwen3", "gemma3_text", "gemma3")  # gemma3: the text model of the multimodal config
 
 
 class ConfigError(ValueError):
     """A config.json that jaxspec cannot run; the message says what and how to fix it."""
+
+
+class TargetConfig(Protocol):
+    """What everything outside a family may read of a target's config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    max_position_embeddings: int  # the context length
+    eos_token_ids: tuple[int, ...]
+
+    def replace(self, **kw) -> "TargetConfig": ...
 
 
 @dataclass(frozen=True)
@@ -93,7 +106,7 @@ def _rope(params: dict | None) -> RopeConfig:
     )
 
 
-def _eos_ids(*candidates) -> tuple[int, ...]:
+def eos_ids(*candidates) -> tuple[int, ...]:
     out: list[int] = []
     for c in candidates:
         if c is None:
@@ -107,10 +120,8 @@ def _eos_ids(*candidates) -> tuple[int, ...]:
 def dense_config_from_dict(d: dict) -> DenseConfig:
     """Parse a HF config dict (the contents of config.json) into a DenseConfig."""
     model_type = d.get("model_type")
-    if model_type not in SUPPORTED_TYPES:
-        raise ConfigError(
-            f"unsupported model_type {model_type!r}; jaxspec supports: {', '.join(SUPPORTED_TYPES)}"
-        )
+    if model_type not in DENSE_TYPES:
+        raise ConfigError(f"model_type {model_type!r} is not a dense model; the dense family reads: {', '.join(DENSE_TYPES)}")
     if model_type == "gemma3":  # multimodal checkpoint: the language model lives in text_config
         text = dict(d.get("text_config") or {})
         text["model_type"] = "gemma3_text"
@@ -178,30 +189,9 @@ def dense_config_from_dict(d: dict) -> DenseConfig:
         attn_logit_softcapping=getattr(hf, "attn_logit_softcapping", None),
         final_logit_softcapping=getattr(hf, "final_logit_softcapping", None),
         bos_token_id=getattr(hf, "bos_token_id", None),
-        eos_token_ids=_eos_ids(getattr(hf, "eos_token_id", None)),
+        eos_token_ids=eos_ids(getattr(hf, "eos_token_id", None)),
         pad_token_id=getattr(hf, "pad_token_id", None),
     )
-
-
-def load_config(model_dir: str | Path) -> DenseConfig:
-    """Read `<model_dir>/config.json` (and generation_config.json's EOS ids, if present)."""
-    model_dir = Path(model_dir)
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{path} not found; point --model at a Hugging Face model directory or a .gguf file")
-    try:
-        d = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} is not valid JSON ({e}); re-download or re-export the model") from e
-    cfg = dense_config_from_dict(d)
-    gen = model_dir / "generation_config.json"
-    if gen.is_file():
-        try:
-            g = json.loads(gen.read_text())
-            cfg = cfg.replace(eos_token_ids=_eos_ids(cfg.eos_token_ids, g.get("eos_token_id")))
-        except json.JSONDecodeError:
-            pass  # generation_config is optional; config.json's EOS stands
-    return cfg
 
 
 @dataclass(frozen=True)

@@ -153,20 +153,14 @@ def init_drafter(model: Model, num_layers: int = 1, block_size: int = 16, seed: 
     """
     t = model.config
     cfg = DrafterConfig(
+        **model.family.drafter_geometry(t),
         hidden_size=t.hidden_size,
-        intermediate_size=t.intermediate_size,
         num_layers=num_layers,
-        num_heads=t.num_heads,
-        num_kv_heads=t.num_kv_heads,
-        head_dim=t.head_dim,
         vocab_size=t.vocab_size,
         block_size=block_size,
         mask_token_id=default_mask_token(model) if mask_token_id is None else mask_token_id,
         target_layer_ids=tap_layers(model, num_taps or num_layers),
         num_target_layers=t.num_layers,
-        rms_norm_eps=t.rms_norm_eps,
-        rope=t.rope_global,
-        max_position_embeddings=t.max_position_embeddings,
         layer_types=("full_attention",) * num_layers,
         draft_vocab=tuple(sorted(int(i) for i in draft_vocab)),
     )

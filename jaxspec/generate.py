@@ -13,7 +13,7 @@ import sys
 import types
 from pathlib import Path
 
-from jaxspec import engine
+from jaxspec import api
 from jaxspec.config import ConfigError
 from jaxspec.drafter import load_drafter
 from jaxspec.model import DTYPES, load
@@ -73,7 +73,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     p.add_argument("--drafter", metavar="DIR", help="DFlash drafter directory (z-lab layout)")
-    p.add_argument("--method", choices=("auto",) + engine.METHODS, default="auto",
+    p.add_argument("--method", choices=("auto",) + api.METHODS, default="auto",
                    help="auto = ddtree with a drafter, else ar")
     p.add_argument("--budget", type=int, metavar="N", help="DDTree node budget (default: block_size - 1)")
     p.add_argument("--json", action="store_true", help="print text, token ids and stats as JSON, no streaming")
@@ -103,10 +103,10 @@ def check_args(args, drafter_path: str | None) -> None:
     SamplingParams(args.temperature, args.top_k, args.top_p)
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.budget is not None and not 1 <= args.budget <= engine.MAX_BUDGET:
-        raise UsageError(f"--budget must be in [1, {engine.MAX_BUDGET}], got {args.budget}")
+    if args.budget is not None and not 1 <= args.budget <= api.MAX_BUDGET:
+        raise UsageError(f"--budget must be in [1, {api.MAX_BUDGET}], got {args.budget}")
     if drafter_path is None:
-        engine.resolve_method(args.method, None, args.budget)
+        api.resolve_method(args.method, None, args.budget)
 
 
 class TextStream:
@@ -153,7 +153,7 @@ def run(args) -> None:
     budget = args.budget
     if budget is None and drafter_path == str(BUNDLED_DRAFTER) and args.method in ("auto", "ddtree"):
         budget = BUNDLED_BUDGET
-    res = engine.generate(model, prompt, drafter=drafter, method=args.method,
+    res = api.generate(model, prompt, drafter=drafter, method=args.method,
                           budget=budget, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat, on_tokens=stream)
     if args.json:
@@ -181,7 +181,7 @@ class _CallableModule(types.ModuleType):
     this module (the name is both, by design); calling the module keeps `jaxspec.generate(model, ...)` working."""
 
     def __call__(self, *args, **kwargs):
-        return engine.generate(*args, **kwargs)
+        return api.generate(*args, **kwargs)
 
 
 sys.modules[__name__].__class__ = _CallableModule

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.config import ConfigError, DenseConfig, dense_config_from_dict, load_config
-from jaxspec.models.dense import DenseLM
+from jaxspec.config import ConfigError, TargetConfig
+from jaxspec.models.registry import Family, config_from_dict, family_of, load_config
+from jaxspec.segment import Segment
 from jaxspec.weights import WeightsError, assign, read_gguf, read_safetensors
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -30,14 +31,18 @@ def parse_dtype(dtype) -> Any:
 class Model:
     """A loaded target: config, parameters (as an NNX graphdef + state, ready for jit) and tokenizer."""
 
-    config: DenseConfig
+    config: TargetConfig
     graphdef: Any
-    params: Any  # nnx.State of the DenseLM
+    params: Any  # nnx.State of the family's module
     tokenizer: Any = None
     source: str = ""
 
     @property
-    def module(self) -> DenseLM:
+    def family(self) -> Family:
+        return family_of(self.config.model_type)
+
+    @property
+    def module(self) -> nnx.Module:
         return nnx.merge(self.graphdef, self.params)
 
     @property
@@ -64,7 +69,7 @@ class Model:
         return np.asarray(_causal_logits(self.graphdef, self.params, jnp.asarray(ids)))
 
     @staticmethod
-    def from_module(module: DenseLM, tokenizer=None, source: str = "") -> "Model":
+    def from_module(module: nnx.Module, tokenizer=None, source: str = "") -> "Model":
         graphdef, params = nnx.split(module)
         return Model(module.config, graphdef, params, tokenizer, source)
 
@@ -73,16 +78,14 @@ class Model:
 def _causal_logits(graphdef, params, ids):
     m = nnx.merge(graphdef, params)
     B, T = ids.shape
-    cache = m.init_cache(B, T)
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
-    logits, _, _ = m(ids, pos, cache, causal)
+    logits, _, _ = m(ids, Segment.causal(pos), m.init_cache(B, T))
     return logits
 
 
-def random_model(config: DenseConfig, *, seed: int = 0, dtype="float32", tokenizer=None) -> Model:
-    """A randomly initialised target (tests, benchmarks on bigger shapes)."""
-    module = DenseLM(config, dtype=parse_dtype(dtype), rngs=nnx.Rngs(seed))
+def random_model(config: TargetConfig, *, seed: int = 0, dtype="float32", tokenizer=None) -> Model:
+    """A randomly initialised target of any registered family (tests, benchmarks on bigger shapes)."""
+    module = family_of(config.model_type).module(config, dtype=parse_dtype(dtype), rngs=nnx.Rngs(seed))
     return Model.from_module(module, tokenizer, source="random")
 
 
@@ -94,12 +97,12 @@ def load(path, dtype="float32", *, tokenizer: bool = True) -> Model:
         raise FileNotFoundError(f"model path {path} does not exist; pass a HF model directory or a .gguf file")
     if path.is_file() and path.suffix == ".gguf":
         hf_cfg, tensors = read_gguf(path)
-        cfg = dense_config_from_dict(hf_cfg)
-        module = assign(lambda: DenseLM(cfg, dtype=dt, rngs=nnx.Rngs(0)), tensors, dt)
+        cfg = config_from_dict(hf_cfg)
+        module = assign(lambda: family_of(cfg.model_type).module(cfg, dtype=dt, rngs=nnx.Rngs(0)), tensors, dt)
         tok = _tokenizer(path.parent, gguf_file=path.name) if tokenizer else None
     elif path.is_dir():
         cfg = load_config(path)
-        module = assign(lambda: DenseLM(cfg, dtype=dt, rngs=nnx.Rngs(0)), read_safetensors(path), dt)
+        module = assign(lambda: family_of(cfg.model_type).module(cfg, dtype=dt, rngs=nnx.Rngs(0)), read_safetensors(path), dt)
         tok = _tokenizer(path) if tokenizer else None
     else:
         raise ConfigError(f"{path} is neither a model directory nor a .gguf file")

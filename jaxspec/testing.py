@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.cache import KVCache
+from jaxspec.cache import Cache
 from jaxspec.config import DrafterConfig
 from jaxspec.drafter import Drafter
 from jaxspec.model import Model
@@ -27,13 +27,13 @@ class OracleDrafter(nnx.Module):
         self.reference = nnx.Variable(jnp.asarray(reference, jnp.int32))  # [R]
         self.noise, self.max_rank, self.seed = float(noise), int(max_rank), int(seed)
 
-    def init_cache(self, batch: int, max_len: int) -> KVCache:
-        return KVCache((), (), jnp.zeros((), jnp.int32), jnp.zeros((batch,), jnp.int32))
+    def init_cache(self, batch: int, max_len: int) -> Cache:
+        return Cache.init((), batch, max_len)
 
-    def append_context(self, cache: KVCache, taps, n_valid) -> KVCache:
-        return KVCache((), (), cache.length + n_valid, cache.start)
+    def append_context(self, cache: Cache, taps, n_valid) -> Cache:
+        return cache.advance(n_valid)
 
-    def draft_logits(self, target, cache: KVCache, bonus, L):
+    def draft_logits(self, target, cache: Cache, bonus, L):
         D, V = self.config.block_size - 1, self.config.vocab_size
         ref = self.reference[...]
         idx = L + 1 + jnp.arange(D)
@@ -54,9 +54,7 @@ def oracle_drafter(model: Model, reference, *, noise: float = 0.0, max_rank: int
                    seed: int = 0) -> Drafter:
     """A Drafter whose proposals are `reference` (prompt + the target's greedy output), with noise."""
     t = model.config
-    cfg = DrafterConfig(
-        hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_layers=0, num_heads=t.num_heads,
-        num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, vocab_size=t.vocab_size, block_size=block_size,
-        mask_token_id=0, target_layer_ids=(0,), num_target_layers=t.num_layers,
-    )
+    cfg = DrafterConfig(**model.family.drafter_geometry(t), hidden_size=t.hidden_size, num_layers=0,
+                        vocab_size=t.vocab_size, block_size=block_size, mask_token_id=0, target_layer_ids=(0,),
+                        num_target_layers=t.num_layers)
     return Drafter.from_module(OracleDrafter(cfg, np.asarray(reference), noise, max_rank, seed))

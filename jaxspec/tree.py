@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxspec.segment import Segment
+
 
 @jax.tree_util.register_dataclass
 @dataclass
@@ -59,6 +61,15 @@ def ancestor_mask(tree: Tree) -> jax.Array:
     return vis
 
 
+def tree_segment(tree: Tree, offset) -> Segment:
+    """The tree as one verify forward's segment (batch 1): node i at position offset + depth_i, seeing its
+    ancestors; the root continues from the committed cache (parent -1)."""
+    N = tree.parents.shape[0]
+    parents = jnp.where(jnp.arange(N) == 0, -1, tree.parents)
+    return Segment(positions=(offset + tree.depths)[None].astype(jnp.int32), visible=ancestor_mask(tree)[None],
+                   parents=parents[None].astype(jnp.int32), lengths=jnp.full((1,), N, jnp.int32))
+
+
 def _log_probs_top_k(draft_logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """Top-k of log_softmax per row without writing out [D, V] log-probs (top-k of logits, minus lse)."""
     logits = draft_logits.astype(jnp.float32)
@@ -74,25 +85,25 @@ def build_tree(draft_logits: jax.Array, budget: int) -> Tree:
     have zero probability and never become valid nodes.
     """
     D, V = draft_logits.shape
-    B, K = budget, min(budget, V)
+    W, K = budget, min(budget, V)  # beam width, candidate tokens per depth
     lp, toks = _log_probs_top_k(draft_logits, K)  # [D, K]
 
-    def step(beam, lp_d):  # beam [B] scores of depth d-1 paths; lp_d [K]
-        score, idx = lax.top_k((beam[:, None] + lp_d[None, :]).reshape(B * K), B)  # parent-major
+    def step(beam, lp_d):  # beam [W] scores of depth d-1 paths; lp_d [K]
+        score, idx = lax.top_k((beam[:, None] + lp_d[None, :]).reshape(W * K), W)  # parent-major
         return score, (score, idx // K, idx % K)
 
-    # The root is the only live entry of a width-B "depth 0" beam, so depth 1 is an ordinary step.
-    root_beam = jnp.full((B,), -jnp.inf, jnp.float32).at[0].set(0.0)
-    _, (beam_score, beam_parent, beam_rank) = lax.scan(step, root_beam, lp)  # each [D, B]
+    # The root is the only live entry of a width-W "depth 0" beam, so depth 1 is an ordinary step.
+    root_beam = jnp.full((W,), -jnp.inf, jnp.float32).at[0].set(0.0)
+    _, (beam_score, beam_parent, beam_rank) = lax.scan(step, root_beam, lp)  # each [D, W]
 
-    score, g = lax.top_k(beam_score.reshape(D * B), B)  # [B]; g = depth-major flat index into the beams
+    score, g = lax.top_k(beam_score.reshape(D * W), budget)  # [budget]; g = depth-major flat index into the beams
     # BFS order: valid nodes by (depth, slot) = by g, then invalid ones.
-    key = jnp.sort(jnp.where(score > -jnp.inf, g, g + D * B))
-    valid, g = key < D * B, key % (D * B)
-    score = beam_score.reshape(D * B)[g]
-    d, slot = g // B, g % B  # d = depth - 1
-    node_of = jnp.zeros((D * B,), jnp.int32).at[g].set(jnp.arange(1, B + 1, dtype=jnp.int32))
-    parent_g = (d - 1) * B + beam_parent[d, slot]  # meaningless at d == 0, masked below
+    key = jnp.sort(jnp.where(score > -jnp.inf, g, g + D * W))
+    valid, g = key < D * W, key % (D * W)
+    score = beam_score.reshape(D * W)[g]
+    d, slot = g // W, g % W  # d = depth - 1
+    node_of = jnp.zeros((D * W,), jnp.int32).at[g].set(jnp.arange(1, budget + 1, dtype=jnp.int32))
+    parent_g = (d - 1) * W + beam_parent[d, slot]  # meaningless at d == 0, masked below
     parents = jnp.where(d == 0, 0, node_of[jnp.maximum(parent_g, 0)])
     tokens = toks[d, beam_rank[d, slot]]
 

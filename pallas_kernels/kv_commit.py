@@ -94,21 +94,32 @@ def kv_commit_pallas(cache, path, start, n, *, interpret=False):
     )(path.astype(jnp.int32), sn, cache)
 
 
+IMPLS = ("xla", "pallas")
+
+
+def effective_impl(impl: str) -> str:
+    """What `kv_commit(impl=impl)` runs on the default backend, in words (generation stats report it)."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown kv_commit impl {impl!r}; use one of: {', '.join(IMPLS)}")
+    backend = jax.default_backend()
+    if impl == "xla":
+        return "xla"
+    if backend == "gpu":
+        return "xla (the Pallas KV commit is TPU-only; no GPU lowering yet)"
+    return "pallas (interpret)" if backend == "cpu" else "pallas"
+
+
 def kv_commit(cache, path, start, n, *, impl="xla", interpret=None):
     """Engine entry point. cache: [B, H, T, D]; impl: "xla" | "pallas".
 
     With impl="pallas", interpret=None interprets the kernel on CPU, compiles it on TPU, and uses the
-    XLA path on GPU (see the module docstring).
+    XLA path on GPU (see the module docstring; `effective_impl` says which runs).
     """
-    if impl == "xla":
+    what = effective_impl(impl)
+    if what.startswith("xla"):
         return kv_commit_reference(cache, path, start, n)
-    if impl != "pallas":
-        raise ValueError(f"unknown kv_commit impl {impl!r}")
     if interpret is None:
-        backend = jax.default_backend()
-        if backend == "gpu":
-            return kv_commit_reference(cache, path, start, n)
-        interpret = backend == "cpu"
+        interpret = what == "pallas (interpret)"
     return kv_commit_pallas(cache, path, start, n, interpret=interpret)
 
 

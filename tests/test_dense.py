@@ -16,25 +16,37 @@ from flax import nnx
 
 import jaxspec.model as jm
 from conftest import FAMILIES
-from jaxspec.cache import KVCache
+from jaxspec.segment import Segment
 
 B, T, ATOL = 2, 13, 1e-4
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "taps"))
-def _forward(graphdef, params, tokens, positions, cache, visible, taps=()):
-    return nnx.merge(graphdef, params)(tokens, positions, cache, visible, taps=taps)
+def _forward(graphdef, params, tokens, segment, cache, taps=()):
+    return nnx.merge(graphdef, params)(tokens, segment, cache, tap_layers=taps)
 
 
-def forward(model, tokens, positions, cache, visible, taps=()):
-    """One `DenseLM.__call__` (jitted): numpy-friendly inputs, returns (logits, taps, pending cache)."""
+def forward(model, tokens, positions, cache, parents=None, taps=()):
+    """One `DenseLM.__call__` (jitted): numpy-friendly inputs, returns (logits, taps, pending cache).
+
+    Causal unless `parents` [B, N] (-1 = continues from the cache) gives a tree: each token then sees
+    itself and its ancestors."""
     as_i32 = lambda a: jnp.asarray(np.asarray(a), jnp.int32)  # noqa: E731
-    return _forward(model.graphdef, model.params, as_i32(tokens), as_i32(positions), cache,
-                    jnp.asarray(visible, bool), taps=taps)
+    segment = Segment.causal(as_i32(positions))
+    if parents is not None:
+        segment = Segment(segment.positions, jnp.asarray(ancestors(parents)), as_i32(parents), segment.lengths)
+    return _forward(model.graphdef, model.params, as_i32(tokens), segment, cache, taps=taps)
 
 
-def causal(b, n):
-    return np.broadcast_to(np.tril(np.ones((n, n), bool)), (b, n, n))
+def ancestors(parents):
+    """[B, N] parent pointers (parents precede children) -> [B, N, N] node i sees j (j is i or an ancestor)."""
+    B, N = parents.shape
+    vis = np.broadcast_to(np.eye(N, dtype=bool), (B, N, N)).copy()
+    for b in range(B):
+        for i in range(N):
+            if parents[b, i] >= 0:
+                vis[b, i] |= vis[b, parents[b, i]]
+    return vis
 
 
 def hf_logits(hf, ids, **kw):
@@ -72,21 +84,21 @@ def test_cached_decode_and_chunked_prefill(tiny, family):
     m, P = model.module, 5
     pos = np.broadcast_to(np.arange(T), (B, T))
     cache = m.init_cache(B, T)
-    logits, _, cache = forward(model, ids[:, :P], pos[:, :P], cache, causal(B, P))
+    logits, _, cache = forward(model, ids[:, :P], pos[:, :P], cache)
     np.testing.assert_allclose(logits, ref[:, :P], rtol=0, atol=ATOL)
     cache = cache.advance(P)
     for t in range(P, T):
-        logits, _, cache = forward(model, ids[:, t:t + 1], pos[:, t:t + 1], cache, causal(B, 1))
+        logits, _, cache = forward(model, ids[:, t:t + 1], pos[:, t:t + 1], cache)
         cache = cache.advance(1)
         np.testing.assert_allclose(logits[:, 0], ref[:, t], rtol=0, atol=ATOL, err_msg=f"decode step {t}")
     assert int(cache.length) == T
 
     # second chunk of a chunked prefill, on top of the first chunk's cache (same as prefix above)
-    c2 = forward(model, ids[:, :P], pos[:, :P], m.init_cache(B, T), causal(B, P))[2].advance(P)
-    logits2, _, c2 = forward(model, ids[:, P:], pos[:, P:], c2, causal(B, T - P))
+    c2 = forward(model, ids[:, :P], pos[:, :P], m.init_cache(B, T))[2].advance(P)
+    logits2, _, c2 = forward(model, ids[:, P:], pos[:, P:], c2)
     np.testing.assert_allclose(logits2, ref[:, P:], rtol=0, atol=ATOL)
-    whole = forward(model, ids, pos, m.init_cache(B, T), causal(B, T))[2]
-    for a, b in zip(c2.k + c2.v, whole.k + whole.v):
+    whole = forward(model, ids, pos, m.init_cache(B, T))[2]
+    for a, b in zip(jax.tree.leaves(c2.layers), jax.tree.leaves(whole.layers)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
 
 
@@ -100,11 +112,10 @@ def test_left_padding(tiny, family):
     tokens = np.stack([np.r_[[7, 7, 7], ids[0, :n]], ids[1]])
     start = np.array([pad, 0])
     pos = np.maximum(np.arange(T)[None] - start[:, None], 0)
-    cache = model.module.init_cache(B, T + 1)
-    cache = KVCache(cache.k, cache.v, cache.length, jnp.asarray(start, jnp.int32))
-    logits, _, cache = forward(model, tokens, pos, cache, causal(B, T))
+    cache = model.module.init_cache(B, T + 1).with_start(start)
+    logits, _, cache = forward(model, tokens, pos, cache)
     nxt = np.array([[11], [12]])
-    step, _, _ = forward(model, nxt, pos[:, -1:] + 1, cache.advance(T), causal(B, 1))
+    step, _, _ = forward(model, nxt, pos[:, -1:] + 1, cache.advance(T))
     ref0 = hf_logits(hf, np.r_[ids[0, :n], nxt[0]][None])[0]
     ref1 = hf_logits(hf, np.r_[ids[1], nxt[1]][None])[0]
     np.testing.assert_allclose(logits[0, pad:], ref0[:n], rtol=0, atol=ATOL)
@@ -128,7 +139,7 @@ def test_taps_are_decoder_layer_outputs(tiny, family):
             h.remove()
     layer_out = [(o[0] if isinstance(o, tuple) else o).numpy() for o in (outs[0], outs[1])]
     pos = np.broadcast_to(np.arange(T), (B, T))
-    _, taps, _ = forward(model, ids, pos, model.module.init_cache(B, T), causal(B, T), taps=(0, 1))
+    _, taps, _ = forward(model, ids, pos, model.module.init_cache(B, T), taps=(0, 1))
     H = hf.config.hidden_size
     assert taps.shape == (B, T, 2 * H)
     np.testing.assert_allclose(taps, np.concatenate(layer_out, -1), rtol=0, atol=ATOL * 10)
@@ -173,10 +184,10 @@ def test_tree_oracle(tiny, family):
     assert max(t[1].max() for t in trees) >= 3  # deeper than the Gemma window reaches back
     nodes = rng.integers(0, hf.config.vocab_size, (B, N))
     pos = np.broadcast_to(np.arange(L), (B, L))
-    _, _, cache = forward(model, ids[:, :L], pos, model.module.init_cache(B, L + N), causal(B, L))
+    _, _, cache = forward(model, ids[:, :L], pos, model.module.init_cache(B, L + N))
     depth = np.stack([t[1] for t in trees])
-    vis = np.stack([t[2] for t in trees])
-    logits, _, _ = forward(model, nodes, L + depth, cache.advance(L), vis)
+    parents = np.stack([t[0] for t in trees])
+    logits, _, _ = forward(model, nodes, L + depth, cache.advance(L), parents=parents)
     for b, (_, _, anc) in enumerate(trees):
         for i in range(N):
             path = nodes[b, np.flatnonzero(anc[i])]  # ancestors precede children: already root-first

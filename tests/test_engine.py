@@ -13,7 +13,8 @@ from jaxspec.config import ConfigError, dense_config_from_dict
 from jaxspec.weights import WeightsError
 from jaxspec.sampling import SamplingParams, filtered_logits
 from jaxspec.testing import oracle_drafter
-from jaxspec.tree import ancestor_mask, build_tree
+from jaxspec.segment import Segment
+from jaxspec.tree import build_tree, tree_segment
 
 TINY = {
     "llama": dict(model_type="llama", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -71,10 +72,9 @@ def test_tree_oracle(target, budget):
     tokens = tree.tokens.at[0].set(PROMPT[-1])
     prefix = PROMPT[:-1]
     m = target.module
-    cache = m.init_cache(1, 128)
     L = len(prefix)
-    _, _, cache = m(jnp.asarray([prefix]), jnp.arange(L)[None], cache, jnp.tril(jnp.ones((L, L), bool))[None])
-    logits, _, _ = m(tokens[None], (L + tree.depths)[None], cache.advance(L), ancestor_mask(tree)[None])
+    _, _, cache = m(jnp.asarray([prefix]), Segment.causal(jnp.arange(L)[None]), m.init_cache(1, 128))
+    logits, _, _ = m(tokens[None], tree_segment(tree, L), cache.advance(L))
     assert int(tree.depths.max()) >= 3 and int((tree.depths == 1).sum()) >= 2  # deep and branching
     toks, parents, depths = np.asarray(tokens), np.asarray(tree.parents), np.asarray(tree.depths)
     valid = np.asarray(tree.valid)

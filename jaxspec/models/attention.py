@@ -1,19 +1,42 @@
-"""GQA attention that appends N tokens at explicit positions with an explicit visibility mask.
+"""GQA attention, shared by the dense targets and the DFlash drafter.
 
-The one entry point serves prefill (N = prompt, causal), AR decode (N = 1) and tree verification
-(N = 1 + budget, ancestor mask): new K/V are written into the cache at slots `length .. length+N-1`
-and the queries attend over the whole buffer `[cache | new]` through a boolean mask.
+A target layer appends N tokens at explicit positions with an explicit visibility mask: the new K/V go into
+the layer's `KVEntry` at slots `length .. length+N-1` and the queries attend over the whole buffer
+`[cache | new]`. One entry point serves prefill (causal), AR decode (N = 1) and tree verification
+(N = 1 + budget, ancestor mask). The drafter uses the same projections (`queries`, `keys_values`) over its
+own context and block.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.config import DenseConfig
+from jaxspec.cache import KVEntry
+from jaxspec.config import RopeConfig
 from jaxspec.models.layers import Linear, RMSNorm, apply_rope, rope_inv_freq
 
 NEG_INF = -1e30  # finite, so fully masked padding rows give a uniform softmax instead of NaN
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One attention layer's geometry and switches."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope: RopeConfig
+    scale: float  # softmax scale (head_dim ** -0.5 unless the model says otherwise)
+    eps: float = 1e-6
+    bias: bool = False
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k (Qwen3, Gemma 3, DFlash)
+    norm_plus_one: bool = False  # Gemma's (1 + w) norms
+    window: int | None = None  # sliding window (counts the query itself), None = full
+    softcap: float | None = None  # attention logit soft-capping
 
 
 def cache_mask(positions, length, start, visible, max_len):
@@ -59,38 +82,47 @@ def attend(q, k, v, mask, scale, softcap=None):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: DenseConfig, layer: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        H, nH, nKV, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = nH, nKV, D
-        self.scale, self.softcap = cfg.query_scale, cfg.attn_logit_softcapping
-        self.window = cfg.sliding_window if cfg.is_sliding[layer] else None
-        rope = cfg.rope_local if cfg.is_sliding[layer] else cfg.rope_global
-        self.inv_freq = tuple(float(f) for f in rope_inv_freq(D, rope))  # static
-        self.q_proj = Linear(H, nH * D, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(H, nKV * D, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(H, nKV * D, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(nH * D, H, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(D, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, dtype=dtype)
-            self.k_norm = RMSNorm(D, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, dtype=dtype)
+    def __init__(self, spec: AttentionSpec, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        H, nH, nKV, D = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.spec = spec
+        self.inv_freq = tuple(float(f) for f in rope_inv_freq(D, spec.rope))  # static
+        self.q_proj = Linear(H, nH * D, ("embed", "q_heads"), bias=spec.bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(H, nKV * D, ("embed", "kv_heads"), bias=spec.bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(H, nKV * D, ("embed", "kv_heads"), bias=spec.bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(nH * D, H, ("q_heads", "embed"), bias=spec.bias, dtype=dtype, rngs=rngs)
+        if spec.qk_norm:
+            norm = lambda: RMSNorm(D, spec.eps, plus_one=spec.norm_plus_one, axis="head_dim", dtype=dtype)  # noqa: E731
+            self.q_norm, self.k_norm = norm(), norm()
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(self, x, positions, k_cache, v_cache, length, mask, key_pos):
-        """x: [B, N, H]; k_cache, v_cache: [B, KVH, T, D]; mask: [B, N, T]; returns out, k_cache, v_cache."""
+    def queries(self, x, positions):
+        """x [B, N, H] -> q [B, N, heads, D], normed and rotated."""
         B, N, _ = x.shape
-        D = self.head_dim
-        q = self.q_proj(x).reshape(B, N, self.num_heads, D)
-        k = self.k_proj(x).reshape(B, N, self.num_kv_heads, D)
-        v = self.v_proj(x).reshape(B, N, self.num_kv_heads, D)
+        q = self.q_proj(x).reshape(B, N, self.spec.num_heads, self.spec.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-        # write the new K/V at slots length .. length+N-1 (the caller sizes the cache so they fit)
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 1, 3).astype(k_cache.dtype), (0, 0, length, 0))
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype), (0, 0, length, 0))
-        if self.window is not None:
-            mask = sliding(mask, positions, key_pos, self.window)
-        o = attend(q, k_cache, v_cache, mask, self.scale, self.softcap)
-        return self.o_proj(o.reshape(B, N, self.num_heads * D)), k_cache, v_cache
+            q = self.q_norm(q)
+        return apply_rope(q, positions, jnp.asarray(self.inv_freq, jnp.float32))
+
+    def keys_values(self, x, positions):
+        """x [B, N, H] -> k, v [B, N, kv_heads, D], k normed and rotated."""
+        B, N, _ = x.shape
+        k = self.k_proj(x).reshape(B, N, self.spec.num_kv_heads, self.spec.head_dim)
+        v = self.v_proj(x).reshape(B, N, self.spec.num_kv_heads, self.spec.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rope(k, positions, jnp.asarray(self.inv_freq, jnp.float32)), v
+
+    def output(self, q, k, v, mask):
+        """Attend q [B, N, heads, D] over k, v [B, kv_heads, T, D] with mask [B, N, T]; project -> [B, N, H]."""
+        B, N = q.shape[:2]
+        o = attend(q, k, v, mask, self.spec.scale, self.spec.softcap)
+        return self.o_proj(o.reshape(B, N, self.spec.num_heads * self.spec.head_dim))
+
+    def __call__(self, x, positions, entry: KVEntry, length, mask, key_pos):
+        """x: [B, N, H]; mask: [B, N, T] over [cache | new]; returns (out [B, N, H], entry with the new K/V)."""
+        k, v = self.keys_values(x, positions)
+        entry = entry.write(k, v, length)
+        if self.spec.window is not None:
+            mask = sliding(mask, positions, key_pos, self.spec.window)
+        return self.output(self.queries(x, positions), entry.k, entry.v, mask), entry

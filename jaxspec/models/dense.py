@@ -3,20 +3,33 @@
 Gemma 3 differs by (1+w) sandwich norms, sqrt(H) embedding scale, `query_pre_attn_scalar`, GeGLU,
 5:1 sliding/global layers with their own RoPE tables, and tied embeddings; all are config switches.
 
-`DenseLM.__call__` is the one forward entry point: it appends N tokens at explicit positions with an
-explicit visibility mask over `[cache | new]` and writes their K/V into the cache (not committing them:
-`cache.length` is unchanged). Prefill, AR decode and tree verification are all this call.
+`DenseLM.__call__` is the family's one forward: it appends a `Segment` of N tokens behind the cache (its
+K/V written as pending slots) and returns (logits, taps, pending cache). Prefill, AR decode and tree
+verification are all this call; attention needs only the segment's positions and visibility.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.cache import KVCache
+from jaxspec.cache import Cache, KVEntry
 from jaxspec.config import DenseConfig
-from jaxspec.models.attention import Attention, cache_mask
-from jaxspec.models.layers import MLP, Linear, RMSNorm
+from jaxspec.models.attention import Attention, AttentionSpec, cache_mask
+from jaxspec.models.layers import MLP, Linear, RMSNorm, param
+from jaxspec.segment import Segment
+
+
+def attention_spec(cfg: DenseConfig, layer: int) -> AttentionSpec:
+    sliding = cfg.is_sliding[layer]
+    return AttentionSpec(
+        hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        rope=cfg.rope_local if sliding else cfg.rope_global, scale=cfg.query_scale, eps=cfg.rms_norm_eps,
+        bias=cfg.attention_bias, qk_norm=cfg.qk_norm, norm_plus_one=cfg.norm_plus_one,
+        window=cfg.sliding_window if sliding else None, softcap=cfg.attn_logit_softcapping,
+    )
 
 
 class DecoderLayer(nnx.Module):
@@ -24,34 +37,36 @@ class DecoderLayer(nnx.Module):
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, dtype=dtype)  # noqa: E731
         self.sandwich = cfg.sandwich_norm
         self.input_layernorm = norm()
-        self.self_attn = Attention(cfg, layer, dtype=dtype, rngs=rngs)
+        self.self_attn = Attention(attention_spec(cfg, layer), dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = norm()
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
 
-    def __call__(self, x, positions, k, v, length, mask, key_pos):
-        a, k, v = self.self_attn(self.input_layernorm(x), positions, k, v, length, mask, key_pos)
+    def __call__(self, x, positions, entry: KVEntry, length, mask, key_pos):
+        a, entry = self.self_attn(self.input_layernorm(x), positions, entry, length, mask, key_pos)
         if self.sandwich:
             h = x + self.post_attention_layernorm(a)
-            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))), k, v
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h))), entry
         h = x + a
-        return h + self.mlp(self.post_attention_layernorm(h)), k, v
+        return h + self.mlp(self.post_attention_layernorm(h)), entry
 
 
 class DenseLM(nnx.Module):
     def __init__(self, cfg: DenseConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = cfg
         H = cfg.hidden_size
-        self.embed_tokens = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, H), dtype) * 0.02)
+        self.embed_tokens = param(jax.random.normal(rngs.params(), (cfg.vocab_size, H), dtype) * 0.02, ("vocab", "embed"))
         self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(H, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, dtype=dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(H, cfg.vocab_size, dtype=dtype, rngs=rngs)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(H, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
 
-    def init_cache(self, batch: int, max_len: int) -> KVCache:
+    def init_cache(self, batch: int, max_len: int) -> Cache:
         c = self.config
-        return KVCache.init(c.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, self.embed_tokens.dtype)
+        dt = self.embed_tokens.dtype
+        return Cache.init([KVEntry.init(batch, max_len, c.num_kv_heads, c.head_dim, dt) for _ in range(c.num_layers)],
+                          batch, max_len)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, N] -> [B, N, H] (Gemma scales by sqrt(H) cast to the parameter dtype)."""
@@ -73,22 +88,24 @@ class DenseLM(nnx.Module):
         cap = self.config.final_logit_softcapping
         return cap * jnp.tanh(logits / cap) if cap else logits
 
-    def __call__(self, tokens, positions, cache: KVCache, visible, *, taps=(), logits_idx=None):
+    def __call__(self, tokens, segment: Segment, cache: Cache, *, tap_layers=(), logits_idx=None):
         """Append N tokens to the cache and return (logits, taps, pending cache).
 
-        tokens, positions: [B, N] int; visible: [B, N, N] bool (new token i sees new token j);
-        taps: static tuple of layer ids whose outputs are returned concatenated, [B, N, len(taps) * H];
+        tokens: [B, N] int; segment: their positions and visibility (parents and lengths do not matter to
+        attention: right padding is never committed and left padding is hidden by cache.start);
+        tap_layers: static tuple of layer ids whose outputs are returned concatenated as the taps,
+        [B, N, len(tap_layers) * H] (None without tap layers);
         logits_idx: optional [B, M] rows to project (e.g. only the last prompt token) -> logits [B, M, V].
         """
-        mask, key_pos = cache_mask(positions, cache.length, cache.start, visible, cache.max_len)
+        mask, key_pos = cache_mask(segment.positions, cache.length, cache.start, segment.visible, cache.max_len)
         x = self.embed(tokens)
-        ks, vs, tapped = list(cache.k), list(cache.v), {}
+        entries, tapped = list(cache.layers), {}
         for i, layer in enumerate(self.layers):
-            x, ks[i], vs[i] = layer(x, positions, ks[i], vs[i], cache.length, mask, key_pos)
-            if i in taps:
+            x, entries[i] = layer(x, segment.positions, entries[i], cache.length, mask, key_pos)
+            if i in tap_layers:
                 tapped[i] = x
         if logits_idx is not None:
             x = jnp.take_along_axis(x, logits_idx[..., None], axis=1)
         logits = self.head(self.norm(x))
-        tap_out = jnp.concatenate([tapped[t] for t in taps], -1) if taps else None
-        return logits, tap_out, KVCache(tuple(ks), tuple(vs), cache.length, cache.start)
+        taps = jnp.concatenate([tapped[t] for t in tap_layers], -1) if tap_layers else None
+        return logits, taps, dataclasses.replace(cache, layers=tuple(entries))

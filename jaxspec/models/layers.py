@@ -2,6 +2,10 @@
 
 Math follows the Hugging Face implementations exactly (see ../shared/reference/architectures.md §1):
 norms and softmax run in float32 whatever the parameter dtype.
+
+Every parameter is created through `param`, which records its logical axis names (vocab, embed, q_heads,
+kv_heads, head_dim, ffn, ...) as Flax sharding metadata: `nnx.get_partition_spec(state)` reads them back,
+and sharding maps them to mesh axes with one rules table per family. Nothing is sharded at creation.
 """
 from __future__ import annotations
 
@@ -15,12 +19,21 @@ from flax import nnx
 from jaxspec.config import RopeConfig
 
 
-class Linear(nnx.Module):
-    """y = x @ kernel (+ bias); kernel is [in, out] (HF stores [out, in]: the loader transposes)."""
+def param(value: jax.Array, axes: tuple[str, ...]) -> nnx.Param:
+    """A parameter with logical axis names, one per dimension (metadata only: no sharding happens here)."""
+    assert len(axes) == value.ndim, (axes, value.shape)
+    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
 
-    def __init__(self, d_in: int, d_out: int, *, bias: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
-        self.kernel = nnx.Param(jax.random.normal(rngs.params(), (d_in, d_out), dtype) * (d_in**-0.5))
-        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias); kernel is [in, out] (HF stores [out, in]: the loader transposes).
+
+    axes: logical names of (in, out), e.g. ("embed", "q_heads")."""
+
+    def __init__(self, d_in: int, d_out: int, axes: tuple[str, str], *, bias: bool = False, dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        self.kernel = param(jax.random.normal(rngs.params(), (d_in, d_out), dtype) * (d_in**-0.5), axes)
+        self.bias = param(jnp.zeros((d_out,), dtype), axes[1:]) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = x @ self.kernel[...]
@@ -34,9 +47,9 @@ class RMSNorm(nnx.Module):
     in float32 and casts after. Both are reproduced so bf16 runs match HF too.
     """
 
-    def __init__(self, dim: int, eps: float, *, plus_one: bool = False, dtype=jnp.float32):
+    def __init__(self, dim: int, eps: float, *, plus_one: bool = False, axis: str = "embed", dtype=jnp.float32):
         self.eps, self.plus_one = eps, plus_one
-        self.weight = nnx.Param(jnp.zeros((dim,), dtype) if plus_one else jnp.ones((dim,), dtype))
+        self.weight = param(jnp.zeros((dim,), dtype) if plus_one else jnp.ones((dim,), dtype), (axis,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
@@ -52,9 +65,9 @@ class MLP(nnx.Module):
 
     def __init__(self, d: int, d_ff: int, act: str, *, bias: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
         self.act = act
-        self.gate_proj = Linear(d, d_ff, bias=bias, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(d, d_ff, bias=bias, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(d_ff, d, bias=bias, dtype=dtype, rngs=rngs)
+        self.gate_proj = Linear(d, d_ff, ("embed", "ffn"), bias=bias, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(d, d_ff, ("embed", "ffn"), bias=bias, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(d_ff, d, ("ffn", "embed"), bias=bias, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         g = self.gate_proj(x)

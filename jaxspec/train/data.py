@@ -18,8 +18,9 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from jaxspec.engine import encode_prompt, generate
+from jaxspec.api import encode_prompt, generate
 from jaxspec.model import Model
+from jaxspec.segment import Segment
 
 
 @dataclass
@@ -127,9 +128,8 @@ def compute_taps(model: Model, data: Dataset, taps: tuple[int, ...], *, batch: i
     def fwd(params, tokens):
         m = nnx.merge(model.graphdef, params)
         B = tokens.shape[0]
-        pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-        causal = jnp.broadcast_to(jnp.tril(jnp.ones((S, S), bool)), (B, S, S))
-        _, t, _ = m(tokens, pos, m.init_cache(B, S), causal, taps=taps, logits_idx=jnp.zeros((B, 1), jnp.int32))
+        segment = Segment.causal(jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)))
+        _, t, _ = m(tokens, segment, m.init_cache(B, S), tap_layers=taps, logits_idx=jnp.zeros((B, 1), jnp.int32))
         return t
 
     out = np.zeros((N, S, len(taps) * model.config.hidden_size), np.float32)

@@ -25,7 +25,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxspec.drafter import Drafter
-from jaxspec.engine import generate
+from jaxspec.api import generate
 from jaxspec.model import Model
 from jaxspec.train.data import Dataset
 

@@ -1,4 +1,4 @@
-"""Acceptance walk over a verified tree, and the commit of the accepted path.
+"""Acceptance walk over a verified tree.
 
 Greedy: from the root, follow the child whose token equals the target's argmax at the current node.
 Sampling: the same walk, with the target's argmax replaced by one independent target sample per node
@@ -11,10 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxspec.cache import KVCache
 from jaxspec.sampling import SamplingParams, sample
 from jaxspec.tree import Tree
-from pallas_kernels.kv_commit import kv_commit
 
 
 def node_targets(logits, key, sp: SamplingParams):
@@ -22,18 +20,18 @@ def node_targets(logits, key, sp: SamplingParams):
     return sample(logits, key, sp)
 
 
-def accept_walk(tree: Tree, post, max_depth: int):
-    """Walk the tree along the target's tokens `post` [N].
+def accept_walk(tree: Tree, target_tokens, max_depth: int):
+    """Walk the tree along `target_tokens` [N], the target's token at every node (node_targets).
 
     max_depth (static) bounds the walk: the drafter's block_size - 1.
     Returns (path [D+1] int32: accepted node ids a_0 = 0 (root), a_1 .. a_k, then zeros; k: int32 [],
-    the number of accepted draft nodes). The next bonus is post[path[k]].
+    the number of accepted draft nodes). The next bonus is target_tokens[path[k]].
     """
     N = tree.tokens.shape[0]
     D = max_depth
     ids = jnp.arange(N)
-    # child[i] = the child of node i carrying the target's token post[i], if any (siblings' tokens differ)
-    match = (tree.parents[None, :] == ids[:, None]) & (tree.tokens[None, :] == post[:, None])
+    # child[i] = the child of node i carrying the target's token at i, if any (siblings' tokens differ)
+    match = (tree.parents[None, :] == ids[:, None]) & (tree.tokens[None, :] == target_tokens[:, None])
     match = match & tree.valid[None, :] & (ids[None, :] > 0)
     has_child, child = match.any(axis=1), jnp.argmax(match, axis=1)
 
@@ -47,14 +45,3 @@ def accept_walk(tree: Tree, post, max_depth: int):
     init = (jnp.int32(0), jnp.int32(0), jnp.zeros((D + 1,), jnp.int32), jnp.bool_(True))
     _, k, path, _ = jax.lax.fori_loop(0, D, step, init)
     return path, k
-
-
-def commit_kv(cache: KVCache, path, n, *, impl: str = "xla") -> KVCache:
-    """Keep the accepted tree slots: slot L + path[i] -> L + i for i < n, then length = L + n.
-
-    RoPE positions need no fix-up: node path[i] sits at depth i, its position was already L + i.
-    """
-    L = cache.length
-    k = tuple(kv_commit(c, path, L, n, impl=impl) for c in cache.k)
-    v = tuple(kv_commit(c, path, L, n, impl=impl) for c in cache.v)
-    return KVCache(k, v, L + n, cache.start)

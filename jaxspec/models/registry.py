@@ -1,0 +1,73 @@
+"""Target families by `model_type`: the one place that knows which families exist.
+
+A family is added by registering it here, never by editing the engine: its config parser, its module
+(which brings `init_cache`, the forward over a `Segment`, `embed` and `head`), its checkpoint name tables,
+and the attention geometry a new DFlash drafter takes from the target. Everything else reads a target's
+config through the `TargetConfig` protocol only.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from jaxspec.config import DENSE_TYPES, ConfigError, DenseConfig, TargetConfig, dense_config_from_dict, eos_ids
+from jaxspec.models.dense import DenseLM
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]  # HF model_type values it reads (multimodal wrappers included)
+    parse_config: Callable[[dict], TargetConfig]  # a config.json dict -> the family's config
+    module: Callable[..., Any]  # module(config, dtype=, rngs=) -> the target's nnx.Module
+    drafter_geometry: Callable[[Any], dict]  # config -> DrafterConfig fields a new drafter copies
+
+
+def _dense_drafter_geometry(c: DenseConfig) -> dict:
+    return dict(intermediate_size=c.intermediate_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope=c.rope_global,
+                max_position_embeddings=c.max_position_embeddings)
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("dense", DENSE_TYPES, dense_config_from_dict, DenseLM, _dense_drafter_geometry),
+)
+
+
+def supported_types() -> tuple[str, ...]:
+    return tuple(t for f in FAMILIES for t in f.model_types)
+
+
+def family_of(model_type: str | None) -> Family:
+    for f in FAMILIES:
+        if model_type in f.model_types:
+            return f
+    raise ConfigError(f"unsupported model_type {model_type!r}; jaxspec supports: {', '.join(supported_types())}")
+
+
+def config_from_dict(d: dict) -> TargetConfig:
+    """Parse a HF config dict with the parser of its model_type's family."""
+    return family_of(d.get("model_type")).parse_config(d)
+
+
+def load_config(model_dir: str | Path) -> TargetConfig:
+    """Read `<model_dir>/config.json` (and generation_config.json's EOS ids, if present)."""
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path} not found; point --model at a Hugging Face model directory or a .gguf file")
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}); re-download or re-export the model") from e
+    cfg = config_from_dict(d)
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        try:
+            g = json.loads(gen.read_text())
+            cfg = cfg.replace(eos_token_ids=eos_ids(cfg.eos_token_ids, g.get("eos_token_id")))
+        except json.JSONDecodeError:
+            pass  # generation_config is optional; config.json's EOS stands
+    return cfg

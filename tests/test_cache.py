@@ -1,0 +1,165 @@
+"""Cache conformance: the one promise every cache entry type keeps, whatever it stores.
+
+After a verify forward over a random tree behind a committed prefix and the commit of an accepted path, the
+cache equals the cache of a plain causal prefill of prefix + accepted tokens (float32, tight tolerance), and
+the next forward's logits agree. Cases: only the root accepted, a path to the deepest node, a random path,
+and a tree that ends exactly at the end of the cache. Right padding in a prefill is never committed.
+
+Written once for every family: a new family adds its tiny targets to `TARGETS` (the comparison reads the
+cache's logical axes: buffers with a `seq` axis are compared over the committed slots only, every other
+buffer, e.g. a recurrent state, in full).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxspec
+from jaxspec.config import dense_config_from_dict
+from jaxspec.segment import Segment
+
+BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+TARGETS = {
+    "llama": lambda: dense_config_from_dict({**BASE, "model_type": "llama"}),
+    "qwen3": lambda: dense_config_from_dict({**BASE, "model_type": "qwen3", "tie_word_embeddings": True}),
+    "gemma3": lambda: dense_config_from_dict({**BASE, "model_type": "gemma3_text", "num_hidden_layers": 3,
+                                              "sliding_window": 4, "sliding_window_pattern": 3,
+                                              "query_pre_attn_scalar": 16}),
+}
+PREFIX, NODES, ATOL = 7, 10, 2e-5
+
+
+@pytest.fixture(scope="module", params=list(TARGETS))
+def target(request):
+    return jaxspec.random_model(TARGETS[request.param](), seed=1)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def forward(graphdef, params, tokens, segment, cache):
+    return nnx.merge(graphdef, params)(tokens, segment, cache)
+
+
+def prefill(model, tokens, max_len, *, pad_to=None):
+    """Causal prefill of tokens [T] (right-padded to pad_to with garbage), committed: the reference cache."""
+    T = len(tokens)
+    N = pad_to or T
+    ids = np.full((1, N), 5, np.int32)
+    ids[0, :T] = tokens
+    segment = Segment.causal(jnp.arange(N, dtype=jnp.int32)[None], lengths=jnp.int32(T))
+    _, _, cache = forward(model.graphdef, model.params, jnp.asarray(ids), segment, model.module.init_cache(1, max_len))
+    return cache.advance(T)
+
+
+def random_tree(rng, n):
+    """Parents (earlier nodes; biased to the last two so trees get deep), depths, host ancestor mask."""
+    parents = np.array([-1] + [int(rng.integers(max(0, i - 2), i)) for i in range(1, n)])
+    depth, vis = np.zeros(n, int), np.eye(n, dtype=bool)
+    for i in range(1, n):
+        depth[i], vis[i] = depth[parents[i]] + 1, vis[i] | vis[parents[i]]
+    return parents, depth, vis
+
+
+def committed_view(cache):
+    """Every buffer of the cache, restricted to committed slots where it has a `seq` axis."""
+    out = []
+    axes = jax.tree.leaves(cache.logical_axes().layers, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    for leaf, spec in zip(jax.tree.leaves(cache.layers), axes, strict=True):
+        leaf = np.asarray(leaf)
+        if "seq" in spec:
+            leaf = np.take(leaf, np.arange(int(cache.length)), axis=tuple(spec).index("seq"))
+        out.append(leaf)
+    return out
+
+
+def assert_same_cache(got, want):
+    assert int(got.length) == int(want.length)
+    np.testing.assert_array_equal(np.asarray(got.start), np.asarray(want.start))
+    for a, b in zip(committed_view(got), committed_view(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("case", ["root_only", "deepest", "random", "at_cache_end"])
+def test_verify_commit_equals_causal_prefill(target, case):
+    rng = np.random.default_rng(["root_only", "deepest", "random", "at_cache_end"].index(case))
+    V = target.config.vocab_size
+    prefix = rng.integers(0, V, PREFIX)
+    parents, depth, vis = random_tree(rng, NODES)
+    nodes = rng.integers(0, V, NODES)
+    if case == "root_only":
+        last = 0
+    elif case == "random":
+        last = int(rng.integers(1, NODES))
+    else:  # the deepest node (the first one, if several)
+        last = int(np.argmax(depth))
+    path = np.flatnonzero(vis[last])  # root .. last, increasing (parents precede children)
+    n = len(path)
+    assert (case == "root_only") == (n == 1) and (case not in ("deepest", "at_cache_end") or n >= 4)
+    max_len = PREFIX + NODES if case == "at_cache_end" else 64  # the tree's last slot is the cache's last
+
+    cache = prefill(target, prefix, max_len)
+    segment = Segment(positions=jnp.asarray(PREFIX + depth, jnp.int32)[None], visible=jnp.asarray(vis)[None],
+                      parents=jnp.asarray(parents, jnp.int32)[None], lengths=jnp.full((1,), NODES, jnp.int32))
+    _, _, pending = forward(target.graphdef, target.params, jnp.asarray(nodes, jnp.int32)[None], segment, cache)
+    padded_path = np.zeros(NODES, np.int32)  # static length; entries past n are ignored
+    padded_path[:n] = path
+    committed = pending.commit(jnp.asarray(padded_path), jnp.int32(n))
+    want = prefill(target, np.r_[prefix, nodes[path]], max_len)
+    assert_same_cache(committed, want)
+
+    nxt = rng.integers(0, V, 2)  # the next forward sees the same past
+    pos = jnp.asarray(PREFIX + n + np.arange(2), jnp.int32)[None]
+    got = forward(target.graphdef, target.params, jnp.asarray(nxt, jnp.int32)[None], Segment.causal(pos), committed)[0]
+    ref = forward(target.graphdef, target.params, jnp.asarray(nxt, jnp.int32)[None], Segment.causal(pos), want)[0]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=ATOL)
+
+
+def test_pallas_commit_conforms(target):
+    """The same promise with the KV commit as the Pallas kernel (interpret mode on CPU)."""
+    rng = np.random.default_rng(9)
+    V = target.config.vocab_size
+    prefix, nodes = rng.integers(0, V, PREFIX), rng.integers(0, V, NODES)
+    parents, depth, vis = random_tree(rng, NODES)
+    path = np.flatnonzero(vis[int(np.argmax(depth))])
+    cache = prefill(target, prefix, 32)
+    segment = Segment(positions=jnp.asarray(PREFIX + depth, jnp.int32)[None], visible=jnp.asarray(vis)[None],
+                      parents=jnp.asarray(parents, jnp.int32)[None], lengths=jnp.full((1,), NODES, jnp.int32))
+    _, _, pending = forward(target.graphdef, target.params, jnp.asarray(nodes, jnp.int32)[None], segment, cache)
+    padded_path = np.zeros(NODES, np.int32)
+    padded_path[: len(path)] = path
+    committed = pending.commit(jnp.asarray(padded_path), jnp.int32(len(path)), impl="pallas")
+    assert_same_cache(committed, prefill(target, np.r_[prefix, nodes[path]], 32))
+
+
+def test_right_padding_is_never_committed(target):
+    """A prefill right-padded with garbage and told its real length, then advanced by it, equals the unpadded
+    prefill; so does the forward after it."""
+    rng = np.random.default_rng(3)
+    V = target.config.vocab_size
+    tokens = rng.integers(0, V, 9)
+    padded, plain = prefill(target, tokens, 32, pad_to=16), prefill(target, tokens, 32)
+    assert_same_cache(padded, plain)
+    pos = jnp.full((1, 1), 9, jnp.int32)
+    nxt = jnp.asarray([[int(rng.integers(0, V))]], jnp.int32)
+    np.testing.assert_allclose(np.asarray(forward(target.graphdef, target.params, nxt, Segment.causal(pos), padded)[0]),
+                               np.asarray(forward(target.graphdef, target.params, nxt, Segment.causal(pos), plain)[0]),
+                               rtol=0, atol=ATOL)
+
+
+AXES = {"batch", "seq", "vocab", "embed", "q_heads", "kv_heads", "head_dim", "ffn", "experts", "layers", "tap_embed"}
+
+
+def test_logical_axes(target):
+    """Every parameter and every cache buffer names one known logical axis per dimension."""
+    for path, var in nnx.to_flat_state(target.params):
+        axes = var.get_metadata().get("out_sharding")
+        assert axes is not None and len(axes) == var.ndim and set(axes) <= AXES, (path, axes, var.shape)
+    cache = target.module.init_cache(2, 16)
+    specs = jax.tree.leaves(cache.logical_axes(), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    for leaf, spec in zip(jax.tree.leaves(cache), specs, strict=True):
+        assert len(spec) == np.ndim(leaf) and set(spec) <= AXES, (spec, np.shape(leaf))
