@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxspec.checkpoint import DENSE_HF_RULES, WeightsError, load_params, read_gguf, read_safetensors
 from jaxspec.config import ConfigError, DenseConfig, dense_config_from_dict, load_config
 from jaxspec.models.dense import DenseLM
-from jaxspec.weights import WeightsError, assign, read_gguf, read_safetensors
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -95,11 +95,11 @@ def load(path, dtype="float32", *, tokenizer: bool = True) -> Model:
     if path.is_file() and path.suffix == ".gguf":
         hf_cfg, tensors = read_gguf(path)
         cfg = dense_config_from_dict(hf_cfg)
-        module = assign(lambda: DenseLM(cfg, dtype=dt, rngs=nnx.Rngs(0)), tensors, dt)
+        module = load_params(lambda: DenseLM(cfg, dtype=dt, rngs=nnx.Rngs(0)), tensors, DENSE_HF_RULES)
         tok = _tokenizer(path.parent, gguf_file=path.name) if tokenizer else None
     elif path.is_dir():
         cfg = load_config(path)
-        module = assign(lambda: DenseLM(cfg, dtype=dt, rngs=nnx.Rngs(0)), read_safetensors(path), dt)
+        module = load_params(lambda: DenseLM(cfg, dtype=dt, rngs=nnx.Rngs(0)), read_safetensors(path), DENSE_HF_RULES)
         tok = _tokenizer(path) if tokenizer else None
     else:
         raise ConfigError(f"{path} is neither a model directory nor a .gguf file")
