@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
+from jaxspec.checkpoint import DFLASH_ZLAB_RULES, WeightsError, load_params, read_safetensors
 from jaxspec.config import ConfigError, DrafterConfig, default_target_layer_ids, drafter_config_from_dict
 from jaxspec.model import Model
 from jaxspec.models.dflash import DFlashDrafter
-from jaxspec.weights import WeightsError, assign, read_safetensors
 
 MAX_BLOCK_SIZE = 64
 
@@ -88,10 +88,6 @@ def check_fits(cfg: DrafterConfig, model: Model) -> None:
         raise ConfigError(f"drafter draft_vocab must hold distinct token ids below the target's vocab_size {t.vocab_size}")
 
 
-def _zlab_path(name: str) -> str:
-    return name[len("model."):] if name.startswith("model.") else name
-
-
 def load_drafter(path, model: Model) -> Drafter:
     """Load a DFlash drafter directory (config.json with dflash_config + safetensors) for `model`."""
     path = Path(path)
@@ -107,8 +103,8 @@ def load_drafter(path, model: Model) -> Drafter:
         cfg = dataclasses.replace(cfg, draft_vocab=_read_draft_vocab(path, int(d["draft_vocab_size"])))
     check_fits(cfg, model)
     dt = model.dtype
-    module = assign(lambda: DFlashDrafter(cfg, dtype=dt, rngs=nnx.Rngs(0)), read_safetensors(path), dt,
-                    path_fn=_zlab_path, skip=("embed_tokens", "lm_head", "draft_vocab"))
+    module = load_params(lambda: DFlashDrafter(cfg, dtype=dt, rngs=nnx.Rngs(0)), read_safetensors(path),
+                         DFLASH_ZLAB_RULES, what="drafter checkpoint")
     return Drafter.from_module(module)
 
 

@@ -14,11 +14,11 @@ import types
 from pathlib import Path
 
 from jaxspec import api
+from jaxspec.checkpoint import WeightsError
 from jaxspec.config import ConfigError
 from jaxspec.drafter import load_drafter
 from jaxspec.model import DTYPES, load
 from jaxspec.sampling import SamplingParams
-from jaxspec.weights import WeightsError
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

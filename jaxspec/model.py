@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxspec.checkpoint import WeightsError, load_params, read_gguf, read_safetensors
 from jaxspec.config import ConfigError, TargetConfig
 from jaxspec.models.registry import Family, config_from_dict, family_of, load_config
 from jaxspec.segment import Segment
-from jaxspec.weights import WeightsError, assign, read_gguf, read_safetensors
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -98,15 +98,21 @@ def load(path, dtype="float32", *, tokenizer: bool = True) -> Model:
     if path.is_file() and path.suffix == ".gguf":
         hf_cfg, tensors = read_gguf(path)
         cfg = config_from_dict(hf_cfg)
-        module = assign(lambda: family_of(cfg.model_type).module(cfg, dtype=dt, rngs=nnx.Rngs(0)), tensors, dt)
+        module = _build(cfg, tensors, dt)
         tok = _tokenizer(path.parent, gguf_file=path.name) if tokenizer else None
     elif path.is_dir():
         cfg = load_config(path)
-        module = assign(lambda: family_of(cfg.model_type).module(cfg, dtype=dt, rngs=nnx.Rngs(0)), read_safetensors(path), dt)
+        module = _build(cfg, read_safetensors(path), dt)
         tok = _tokenizer(path) if tokenizer else None
     else:
         raise ConfigError(f"{path} is neither a model directory nor a .gguf file")
     return Model.from_module(module, tok, source=str(path))
+
+
+def _build(cfg: TargetConfig, tensors, dtype) -> nnx.Module:
+    """The family's module for `cfg`, filled from `tensors` through the family's name table."""
+    family = family_of(cfg.model_type)
+    return load_params(lambda: family.module(cfg, dtype=dtype, rngs=nnx.Rngs(0)), tensors, family.hf_rules)
 
 
 def _tokenizer(model_dir: Path, gguf_file: str | None = None):

@@ -9,8 +9,8 @@ import pytest
 import scipy.stats
 
 import jaxspec
+from jaxspec.checkpoint import WeightsError
 from jaxspec.config import ConfigError, dense_config_from_dict
-from jaxspec.weights import WeightsError
 from jaxspec.sampling import SamplingParams, filtered_logits
 from jaxspec.testing import oracle_drafter
 from jaxspec.segment import Segment

@@ -14,8 +14,8 @@ from flax import nnx
 
 import jaxspec
 import jaxspec.model as jm
+from jaxspec.checkpoint import WeightsError
 from jaxspec.config import ConfigError
-from jaxspec.weights import WeightsError
 
 
 def greedy_continuation(model, ids, n):

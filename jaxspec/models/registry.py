@@ -1,8 +1,9 @@
 """Target families by `model_type`: the one place that knows which families exist.
 
 A family is added by registering it here, never by editing the engine: its config parser, its module
-(which brings `init_cache`, the forward over a `Segment`, `embed` and `head`), its checkpoint name tables,
-and the attention geometry a new DFlash drafter takes from the target. Everything else reads a target's
+(which brings `init_cache`, the forward over a `Segment`, `embed` and `head`), its HF name table (GGUF
+architectures are rows of `checkpoint.gguf.GGUF_ARCHS`, which rename tensors to HF names and say which
+model_type they become), and the attention geometry a new DFlash drafter takes from the target. Everything else reads a target's
 config through the `TargetConfig` protocol only.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from jaxspec.checkpoint import DENSE_HF_RULES, Rule
 from jaxspec.config import DENSE_TYPES, ConfigError, DenseConfig, TargetConfig, dense_config_from_dict, eos_ids
 from jaxspec.models.dense import DenseLM
 
@@ -22,6 +24,7 @@ class Family:
     model_types: tuple[str, ...]  # HF model_type values it reads (multimodal wrappers included)
     parse_config: Callable[[dict], TargetConfig]  # a config.json dict -> the family's config
     module: Callable[..., Any]  # module(config, dtype=, rngs=) -> the target's nnx.Module
+    hf_rules: tuple[Rule, ...]  # HF tensor name -> parameter path (GGUF files are renamed to HF names first)
     drafter_geometry: Callable[[Any], dict]  # config -> DrafterConfig fields a new drafter copies
 
 
@@ -32,7 +35,7 @@ def _dense_drafter_geometry(c: DenseConfig) -> dict:
 
 
 FAMILIES: tuple[Family, ...] = (
-    Family("dense", DENSE_TYPES, dense_config_from_dict, DenseLM, _dense_drafter_geometry),
+    Family("dense", DENSE_TYPES, dense_config_from_dict, DenseLM, DENSE_HF_RULES, _dense_drafter_geometry),
 )
 
 

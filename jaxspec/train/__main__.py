@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxspec.checkpoint import WeightsError
 from jaxspec.config import ConfigError
-from jaxspec.weights import WeightsError
 
 
 def parse_args(argv):

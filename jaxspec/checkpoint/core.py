@@ -1,0 +1,134 @@
+"""The loading core: stream `(name, array)` pairs through a rule table into a module built abstractly.
+
+Readers (safetensors, GGUF) yield one tensor at a time and a family's table says where each goes, so the
+core knows no model: a new family adds a table, never a branch here. The module is built with
+`nnx.eval_shape` (no memory for random weights) and each parameter is placed on device as soon as it is
+complete, so a checkpoint is never held twice; only a stacked parameter (MoE experts, [E, ...]) waits on
+the host until its last slice arrives.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+class WeightsError(ValueError):
+    """A checkpoint that cannot be read into the model; the message names the file or tensor."""
+
+
+def linear_kernel(w: np.ndarray) -> np.ndarray:
+    """HF Linear weight [out, in] -> jaxspec kernel [in, out] (a view: the cast to the parameter copies)."""
+    return w.T
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Where the checkpoint tensors whose name fullmatches `pattern` go.
+
+    target: dotted parameter path, formatted with the regex groups (`"layers.{0}.mlp.up_proj.kernel"`);
+      None ignores the tensor (vision towers, rotary buffers, a drafter's copy of the target's head).
+    transform: array -> array applied before the shape check (e.g. `linear_kernel`).
+    stack: index of the group (as in `{0}`) holding the slice of the parameter's leading axis that the
+      tensor fills: expert e of `layers.{0}.mlp.experts.gate_proj.kernel` [E, in, out].
+    optional: the module may lack the target (a tied model has no lm_head); the tensor is then ignored.
+      Without it a target the module lacks is an unexpected tensor, so a wrong config is caught.
+    """
+
+    pattern: str
+    target: str | None
+    transform: Callable[[np.ndarray], np.ndarray] | None = None
+    stack: int | None = None
+    optional: bool = False
+
+
+def load_params(module_ctor: Callable[[], nnx.Module], tensors: Iterable[tuple[str, np.ndarray]],
+                rules: Iterable[Rule], *, what: str = "checkpoint") -> nnx.Module:
+    """Build `module_ctor()` abstractly and fill every parameter from `tensors` through the first matching rule.
+
+    Each tensor is cast once, straight to its parameter's dtype; a non-floating parameter (packed INT4/INT8)
+    takes a tensor of exactly its dtype, untouched. Raises WeightsError on a name no rule maps, a shape or
+    dtype that does not fit, a parameter filled twice, and on any parameter (or stacked slice) left empty.
+    `what` names the source in the messages ("drafter checkpoint").
+    """
+    graphdef, state = nnx.split(nnx.eval_shape(module_ctor))
+    flat = dict(nnx.to_flat_state(state))
+    by_path = {".".join(str(p) for p in k): k for k in flat}
+    table = [(re.compile(r.pattern), r) for r in rules]
+    filled: dict[str, str] = {}  # parameter path (or "path[e]" for a slice) -> the tensor that filled it
+    stacks: dict[str, list] = {}  # stacked parameter path -> [host buffer [E, ...], slices in] until complete
+
+    for name, arr in tensors:
+        m, rule = next(((m, r) for p, r in table if (m := p.fullmatch(name))), (None, None))
+        if rule is None:
+            raise _unexpected(name, what)
+        if rule.target is None:
+            continue
+        path = rule.target.format(*m.groups())
+        if path not in by_path:
+            if rule.optional:
+                continue
+            raise _unexpected(name, what)
+        var = flat[by_path[path]]
+        if rule.transform is not None:
+            arr = rule.transform(arr)
+        _check_dtype(name, path, arr.dtype, var.dtype)
+        if rule.stack is None:
+            _check_shape(name, arr.shape, var.shape)
+            _fill_once(filled, path, name)
+            var.set_value(jnp.asarray(arr, dtype=var.dtype))
+            continue
+        e, E = int(m.group(rule.stack + 1)), var.shape[0]
+        _check_shape(name, arr.shape, var.shape[1:])
+        if not 0 <= e < E:
+            raise WeightsError(f"tensor {name!r} is slice {e} of {path}, which has {E} slices; "
+                               "is config.json from the same model?")
+        _fill_once(filled, f"{path}[{e}]", name)
+        if path not in stacks:  # the first slice allocates the stack, [E, ...], on the host
+            stacks[path] = [np.empty(var.shape, var.dtype), 0]
+        stack = stacks[path]
+        stack[0][e] = arr  # the one cast, straight into the parameter's dtype
+        stack[1] += 1
+        if stack[1] == E:
+            var.set_value(jnp.asarray(stacks.pop(path)[0]))
+            filled[path] = name
+
+    missing = []
+    for path, key in by_path.items():
+        if path in stacks:  # a partly filled stack: name its empty slices
+            missing += [f"{path}[{i}]" for i in range(flat[key].shape[0]) if f"{path}[{i}]" not in filled]
+        elif path not in filled:
+            missing.append(path)
+    if missing:
+        n = len(missing)
+        raise WeightsError(f"{what} is missing {n} tensor{'s' * (n > 1)}, e.g. {sorted(missing)[0]!r}; "
+                           "the file may be truncated")
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _check_dtype(name: str, path: str, got, want) -> None:
+    """Floating parameters take floating tensors (cast once, on placement); any other dtype must match exactly."""
+    floating = jnp.issubdtype(want, jnp.floating)
+    if floating and jnp.issubdtype(got, jnp.floating) or got == want:
+        return
+    why = "a floating parameter needs a floating tensor" if floating else "a packed parameter takes its tensor untouched"
+    raise WeightsError(f"tensor {name!r} has dtype {np.dtype(got)}, but parameter {path} is {np.dtype(want)}; {why}")
+
+
+def _unexpected(name: str, what: str) -> WeightsError:
+    return WeightsError(f"unexpected tensor {name!r} in the {what}; is config.json from the same model?")
+
+
+def _check_shape(name: str, got: tuple, want: tuple) -> None:
+    if tuple(got) != tuple(want):
+        raise WeightsError(f"tensor {name!r} has shape {tuple(got)}, the config implies {tuple(want)}")
+
+
+def _fill_once(filled: dict[str, str], key: str, name: str) -> None:
+    if key in filled:
+        raise WeightsError(f"tensors {filled[key]!r} and {name!r} both fill {key}; the checkpoint repeats a tensor")
+    filled[key] = name
