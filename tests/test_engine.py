@@ -107,6 +107,37 @@ def test_stops_mid_round(target, ar_ref):
     res = jaxspec.generate(target, input_ids=PROMPT, drafter=d, method="ddtree", budget=16, max_new_tokens=37)
     assert res.token_ids == ar_ref[:37]
     assert res.stats["rounds"] < 37 // 4
+    # 36 tokens after the prefill's: whole blocks of 16 (k = 15 accepted + bonus) and a last round cut to 4;
+    # acceptance length counts what was emitted, not the cut round's 16
+    assert res.stats["accepted_length_histogram"][15] == res.stats["rounds"] == 3
+    assert res.stats["acceptance_length"] == 36 / 3
+
+
+def test_streaming_chunks(target, ar_ref):
+    """on_tokens receives the output in order, a chunk at a time; a chunk of 0 tokens is refused (it never ends)."""
+    d = oracle_drafter(target, PROMPT + ar_ref, noise=0.3)
+    for drafter in (None, d):
+        got = []
+        res = jaxspec.generate(target, input_ids=PROMPT, drafter=drafter, max_new_tokens=40, on_tokens=got.append,
+                               chunk_tokens=8)
+        assert sum(got, []) == res.token_ids == ar_ref[:40] and len(got) > 2
+        for bad in (0, -1, 2.5):
+            with pytest.raises(ValueError, match="chunk_tokens"):
+                jaxspec.generate(target, input_ids=PROMPT, drafter=drafter, on_tokens=got.append, chunk_tokens=bad)
+
+
+def test_context_needs_no_slack_for_the_tree():
+    """A prompt + max_new_tokens that fills the context exactly runs with a wide tree: the verify scratch lives
+    in jaxspec's own buffer, not in the model's context."""
+    m = tiny_target("qwen3")
+    ctx = m.config.max_position_embeddings
+    prompt = [int(t) for t in np.random.RandomState(1).randint(0, 128, ctx - 24)]
+    want = jaxspec.generate(m, input_ids=prompt, max_new_tokens=24).token_ids
+    d = oracle_drafter(m, prompt + want, block_size=8)
+    res = jaxspec.generate(m, input_ids=prompt, drafter=d, budget=64, max_new_tokens=24)
+    assert res.token_ids == want
+    with pytest.raises(ValueError, match=f"context of {ctx}"):
+        jaxspec.generate(m, input_ids=prompt, drafter=d, budget=64, max_new_tokens=25)
 
 
 def test_eos_inside_accepted_path(target, ar_ref):
@@ -271,3 +302,7 @@ def test_pallas_commit_in_the_loop(target, ar_ref):
     res = jaxspec.generate(target, input_ids=PROMPT, drafter=d, method="ddtree", budget=16, max_new_tokens=64,
                            kv_impl="pallas")
     assert res.token_ids == ar_ref[:64] and res.stats["acceptance_length"] > 2
+    assert res.stats["kv_commit"] == "pallas (interpret)"  # what really ran is reported
+    assert jaxspec.generate(target, input_ids=PROMPT, drafter=d, max_new_tokens=8).stats["kv_commit"] == "xla"
+    with pytest.raises(ValueError, match="kv_commit impl"):
+        jaxspec.generate(target, input_ids=PROMPT, drafter=d, kv_impl="cuda")
