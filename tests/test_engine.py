@@ -1,4 +1,4 @@
-"""Speculative engine: tree oracle, lossless greedy and sampling, stop conditions, drafter I/O, bad inputs."""
+"""Speculative engine: tree oracle, lossless greedy, stops, drafter I/O, bad inputs (sampling: test_sampling.py)."""
 import dataclasses
 import json
 
@@ -6,12 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import scipy.stats
 
 import jaxspec
 from jaxspec.checkpoint import WeightsError
 from jaxspec.config import ConfigError, dense_config_from_dict
-from jaxspec.sampling import SamplingParams, filtered_logits
 from jaxspec.testing import oracle_drafter
 from jaxspec.segment import Segment
 from jaxspec.tree import build_tree, tree_segment
@@ -150,50 +148,6 @@ def test_eos_inside_accepted_path(target, ar_ref):
     res = jaxspec.generate(m, input_ids=PROMPT, drafter=d, method="ddtree", budget=8, max_new_tokens=200)
     assert res.token_ids == want
     assert res.stats["acceptance_length"] > 4  # so the EOS was reached inside an accepted path
-
-
-def exact_marginals(model, sp, n):
-    """Exact target distributions of generated tokens 1..n (each marginalised over the earlier ones)."""
-    dist = lambda logits: np.asarray(jax.nn.softmax(filtered_logits(jnp.asarray(logits), sp), axis=-1))  # noqa: E731
-    prefixes, weights, out = [[]], np.ones(1), []
-    for _ in range(n):
-        cond = dist(model.logits([PROMPT + p for p in prefixes])[:, -1])  # [prefixes, V]
-        out.append(weights @ cond)
-        nxt = [(p + [int(t)], w * cond[i, t]) for i, (p, w) in enumerate(zip(prefixes, weights)) for t in np.flatnonzero(cond[i] > 0)]
-        prefixes, weights = [p for p, _ in nxt], np.array([w for _, w in nxt])
-    return out
-
-
-def chi2_pvalue(samples, probs):
-    """Goodness of fit; bins with small expected counts are pooled into one."""
-    counts = np.bincount(samples, minlength=len(probs)).astype(float)
-    probs = np.asarray(probs, np.float64) / np.sum(probs, dtype=np.float64)
-    exp = probs * len(samples)
-    big = exp >= 5
-    obs_b = np.append(counts[big], counts[~big].sum())
-    exp_b = np.append(exp[big], exp[~big].sum())
-    keep = exp_b > 0
-    assert counts[probs == 0].sum() == 0, "sampled a token the target gives zero probability"
-    return scipy.stats.chisquare(obs_b[keep], exp_b[keep]).pvalue
-
-
-@pytest.mark.parametrize("method,budget,noise", [("dflash", None, 0.0), ("ddtree", 8, 0.5)])
-def test_lossless_sampling(method, budget, noise):
-    """Committed tokens follow the target distribution (chi-square per position, 2000 fixed seeds, p > 1e-3)."""
-    model = tiny_target("qwen3", seed=7)
-    model.params = jax.tree.map(lambda x: x * 3.0, model.params)  # a likely greedy path, yet 4+ plausible tokens
-    sp = SamplingParams(temperature=1.0, top_k=12, top_p=0.95)
-    greedy = jaxspec.generate(model, input_ids=PROMPT, max_new_tokens=16).token_ids
-    d = oracle_drafter(model, PROMPT + greedy, noise=noise, max_rank=2, block_size=4)  # ddtree: demoted = sibling
-    samples, accepted = [], 0
-    for seed in range(2000):
-        r = jaxspec.generate(model, input_ids=PROMPT, drafter=d, method=method, budget=budget, max_new_tokens=3,
-                             temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, seed=seed)
-        samples.append(r.token_ids)
-        accepted += r.stats["accepted_length_histogram"][0] == 0  # token 2 came from an accepted draft
-    assert accepted > 200  # the draft path is exercised, not just the bonus
-    for i, probs in enumerate(exact_marginals(model, sp, 3)):  # token 3 checks the samples at non-root nodes
-        assert chi2_pvalue(np.array([t[i] for t in samples]), probs) > 1e-3, f"token {i + 1}"
 
 
 def test_drafter_save_load_roundtrip(tmp_path):
