@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.kv_commit import kv_commit, kv_commit_pallas, kv_commit_reference, latent_commit
+from pallas_kernels.kv_commit import (effective_impl, kv_commit, kv_commit_mosaic_gpu, kv_commit_pallas, kv_commit_reference,
+                                      latent_commit)
 
 
 def random_case(rng, shape, P, dtype):
@@ -109,3 +110,29 @@ def test_donated_commit_in_place_leaves_prefix(impl):
 def test_unknown_impl_raises():
     with pytest.raises(ValueError):
         kv_commit(jnp.zeros((1, 1, 8, 2)), jnp.zeros((2,), jnp.int32), 0, 1, impl="cuda")
+
+
+@pytest.mark.parametrize("shape,dtype", [((1, 8, 64, 128), jnp.bfloat16),  # KV: 8 heads of 128
+                                         ((2, 1, 48, 576), jnp.bfloat16),  # MLA latent [c_kv | k_pe] of DeepSeek-V3
+                                         ((1, 2, 32, 64), jnp.float32)])
+def test_mosaic_gpu_kernel_lowers_in_place(shape, dtype):
+    """On this CPU-only machine the GPU kernel is checked by lowering for CUDA: one Mosaic GPU custom call whose
+    output aliases the cache operand (in place), and no Triton call."""
+    cache = jax.ShapeDtypeStruct(shape, dtype)
+    args = (cache, jax.ShapeDtypeStruct((16,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
+            jax.ShapeDtypeStruct((), jnp.int32))
+    exported = jax.export.export(jax.jit(kv_commit_mosaic_gpu, donate_argnums=0), platforms=("cuda",))(*args)
+    text = exported.mlir_module()
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    assert len(calls) == 1 and "@mosaic_gpu" in calls[0] and "triton" not in text
+    assert "output_operand_aliases" in calls[0]
+
+
+def test_mosaic_gpu_kernel_refuses_rows_it_cannot_copy():
+    with pytest.raises(ValueError, match="multiple of 128 bytes"):
+        jax.eval_shape(kv_commit_mosaic_gpu, jnp.zeros((1, 1, 8, 24)), jnp.zeros((4,), jnp.int32), 0, 1)
+
+
+def test_effective_impl_reports_the_gpu_kernel(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert effective_impl("pallas") == "pallas (Mosaic GPU)" and effective_impl("xla") == "xla"
