@@ -220,8 +220,9 @@ def test_kimi_configs():
     assert k2.n_group == 1 and k2.routed_scaling_factor == 2.827
     k25 = deepseek_config_from_dict({"model_type": "kimi_k25", "text_config": text, "eos_token_id": 163585})
     assert k25.model_type == "kimi_k25" and k25.eos_token_ids == (163585,) and k25.hidden_size == 64
-    from jaxspec.models.mla import softmax_scale
+    from jaxspec.models.mla import absorb_threshold, softmax_scale
 
     assert softmax_scale(k2.rope, 192) == pytest.approx(0.14468, abs=1e-5)  # Kimi K2's real scale (factor 64)
+    assert absorb_threshold(512, 128, 128) == 170  # real shapes: decode and a budget-64 verify run absorbed
     with pytest.raises(ConfigError, match="rope_type"):
         deepseek_config_from_dict({**text, "rope_scaling": {"type": "linear", "factor": 2.0}})

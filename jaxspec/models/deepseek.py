@@ -21,7 +21,7 @@ from jaxspec.cache import Cache, LatentEntry
 from jaxspec.config import ConfigError, RopeConfig, eos_ids
 from jaxspec.models.attention import cache_mask
 from jaxspec.models.layers import MLP, Linear, RMSNorm, param
-from jaxspec.models.mla import MLA, MLARope, MLASpec, rope_tables, softmax_scale
+from jaxspec.models.mla import MLA, MLARope, MLASpec, absorb_threshold, rope_tables, softmax_scale
 from jaxspec.models.moe import MoE
 from jaxspec.segment import Segment
 
@@ -59,7 +59,7 @@ class DeepseekConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
-    absorb_max_tokens: int | None = None  # None: kv_lora_rank (models/mla.py says why)
+    absorb_max_tokens: int | None = None  # None: the FLOP crossover, `mla.absorb_threshold`
 
     def replace(self, **kw) -> "DeepseekConfig":
         return dataclasses.replace(self, **kw)
@@ -127,7 +127,8 @@ def mla_spec(cfg: DeepseekConfig) -> MLASpec:
         v_head_dim=cfg.v_head_dim, inv_freq=tuple(float(f) for f in inv_freq), rope_factor=rope_factor,
         scale=softmax_scale(cfg.rope, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), interleave=cfg.rope_interleave,
         bias=cfg.attention_bias,
-        absorb_max_tokens=cfg.kv_lora_rank if cfg.absorb_max_tokens is None else cfg.absorb_max_tokens,
+        absorb_max_tokens=(absorb_threshold(cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim)
+                           if cfg.absorb_max_tokens is None else cfg.absorb_max_tokens),
     )
 
 

@@ -11,9 +11,12 @@ of c_kv through `kv_b_proj` (W_UK for k_nope, W_UV for v), so attention has two 
     itself, o = (softmax(.) c_kv) W_UV. No per-head K/V is built; the cost grows with N only: cheapest
     for decode (N = 1) and tree verify (N = 1 + budget).
 
-Per head and slot the expanded form spends (dn + dv) r on the expansion once plus (dn + dr + dv) per
-query, the absorbed form (r + dr + r) per query, so absorbed wins while N < about r (512 for
-DeepSeek-V3): `absorb_max_tokens` defaults to kv_lora_rank, and forwards of more tokens expand.
+Per head, the expanded form spends r (dn + dv) per cache slot on the expansion (once per forward) and
+dn + dr + dv per (query, slot); the absorbed form spends r + dr + r per (query, slot) and nothing per slot.
+So absorbed is cheaper while N < r (dn + dv) / (2r - dn - dv): 170 tokens for DeepSeek-V3 and Kimi K2
+(`absorb_threshold`), which covers decode and a budget-64 tree; longer prefill chunks expand. Measured on this
+CPU (bench/mla.py, 16 heads of DeepSeek-V3's shape, 1024 cached slots; expanded time / absorbed time): N = 1:
+10.3, 17: 6.8, 65: 1.9, 256: 0.88.
 
 RoPE: DeepSeek rotates interleaved pairs (2i, 2i+1) and writes the result de-interleaved
 (`apply_rotary_pos_emb_interleave` in transformers' modeling_deepseek_v3.py); q and k get the same
@@ -84,6 +87,14 @@ def rope_tables(rope: MLARope, dim: int, max_position_embeddings: int) -> tuple[
     return inv.astype(np.float32), float(attn)
 
 
+def absorb_threshold(kv_lora_rank: int, qk_nope_head_dim: int, v_head_dim: int) -> int:
+    """The largest N for which the absorbed form needs fewer FLOPs than the expanded one (module docstring)."""
+    extra_per_query = 2 * kv_lora_rank - qk_nope_head_dim - v_head_dim
+    if extra_per_query <= 0:
+        return 2**31 - 1  # absorbed is never the dearer form
+    return kv_lora_rank * (qk_nope_head_dim + v_head_dim) // extra_per_query
+
+
 def softmax_scale(rope: MLARope, qk_head_dim: int) -> float:
     """qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 when the rope is scaled (`yarn_apply_mscale`)."""
     scale = qk_head_dim**-0.5
@@ -117,7 +128,7 @@ class MLASpec:
     scale: float  # softmax scale
     interleave: bool = True
     bias: bool = False
-    absorb_max_tokens: int = 512  # forwards of at most this many tokens use the absorbed form
+    absorb_max_tokens: int = 170  # forwards of at most this many tokens use the absorbed form
 
 
 def _softmax(s, mask, dtype):
