@@ -163,8 +163,9 @@ def attend_absorbed(q_nope, q_pe, latent, mask, w_kvb, spec: MLASpec):
     q = jnp.concatenate([q_lat, q_pe], -1)  # [B, N, nH, r + dr]
     s = jnp.einsum("bnhc,btc->bhnt", q, latent, preferred_element_type=jnp.float32) * spec.scale
     p = _softmax(s, mask, latent.dtype)
-    o_lat = jnp.einsum("bhnt,btr->bnhr", p, latent[..., :r], preferred_element_type=jnp.float32).astype(q_nope.dtype)
-    return jnp.einsum("bnhr,rhd->bnhd", o_lat, w_uv, preferred_element_type=jnp.float32).astype(q_nope.dtype)
+    # heads stay beside the batch axis: XLA:CPU has no bf16 x bf16 -> f32 dot for the "bnhr" output order
+    o_lat = jnp.einsum("bhnt,btr->bhnr", p, latent[..., :r], preferred_element_type=jnp.float32).astype(q_nope.dtype)
+    return jnp.einsum("bhnr,rhd->bnhd", o_lat, w_uv, preferred_element_type=jnp.float32).astype(q_nope.dtype)
 
 
 class MLA(nnx.Module):
