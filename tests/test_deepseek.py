@@ -258,3 +258,38 @@ def test_kimi_configs():
     assert absorb_threshold(512, 128, 128) == 170  # real shapes: decode and a budget-64 verify run absorbed
     with pytest.raises(ConfigError, match="rope_type"):
         deepseek_config_from_dict({**text, "rope_scaling": {"type": "linear", "factor": 2.0}})
+
+
+def test_checkpoint_layouts(tiny, tiny_paths, tmp_path):
+    """The same weights as a Kimi K2.5 VLM checkpoint (language_model.* names, a vision tower, config nested in
+    text_config) and with DeepSeek's MTP layer (model.layers.{num_layers}.*, ignored) load to the same model; a
+    missing expert slice is reported by name."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    from jaxspec.checkpoint import WeightsError
+
+    _, model, ids, _ = tiny("deepseek_v3")
+    src = tiny_paths["deepseek_v3"]
+    tensors = load_file(str(src / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    L = config["num_hidden_layers"]
+    mtp = {k.replace("layers.2.", f"layers.{L}."): v for k, v in tensors.items() if "layers.2." in k}
+    mtp[f"model.layers.{L}.enorm.weight"] = np.ones(64, np.float32)
+    vlm = {("language_model." + k if k.startswith(("model.", "lm_head")) else k): v for k, v in {**tensors, **mtp}.items()}
+    vlm["vision_tower.patch_embed.weight"] = np.zeros((2, 2), np.float32)
+    (tmp_path / "k25").mkdir()
+    save_file(vlm, str(tmp_path / "k25" / "model.safetensors"))
+    (tmp_path / "k25" / "config.json").write_text(json.dumps(
+        {"model_type": "kimi_k25", "text_config": {**config, "model_type": "kimi_k2"}, "eos_token_id": 1}))
+    k25 = jm.load(tmp_path / "k25", tokenizer=False)
+    assert k25.config.model_type == "kimi_k25"
+    np.testing.assert_array_equal(k25.logits(ids), model.logits(ids))
+
+    (tmp_path / "cut").mkdir()
+    save_file({k: v for k, v in tensors.items() if k != "model.layers.1.mlp.experts.5.up_proj.weight"},
+              str(tmp_path / "cut" / "model.safetensors"))
+    (tmp_path / "cut" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WeightsError, match=r"layers\.1\.mlp\.experts\.up_proj\[5\]"):
+        jm.load(tmp_path / "cut", tokenizer=False)
