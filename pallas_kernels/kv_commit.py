@@ -28,10 +28,12 @@ What runs where:
     TMA-copies rows i < n back to start+i: every read lands before any write, so no ordering between
     copies is needed. A row is viewed as [W/c, c] with c <= 256 (a TMA box dimension's limit) and must be
     a multiple of 128 bytes (a warpgroup's copy granule): head_dim 64/128 and the MLA latent 576 in bf16
-    or f32 are. Checked on CPU only by lowering: `jax.export(..., platforms=("cuda",))` emits a
-    `mosaic_gpu` custom call with the cache aliased to the output (tests/test_kv_commit.py). Never run on
-    a GPU in this repository, and not under `interpret=True` either: JAX 0.10 has no interpret (discharge)
-    rule for TMA copies, and `core_map` in interpret mode drops writes to `run_state` refs.
+    or f32 are. Checked on CPU two ways (tests/test_kv_commit.py): run under JAX's Mosaic GPU interpreter
+    (`GPU_INTERPRET`: simulated GMEM/SMEM, TMA copies and barriers; plain `interpret=True` has no rule
+    for TMA copies) against the reference, and lowered by `jax.export(..., platforms=("cuda",))` to one
+    `mosaic_gpu` custom call with the cache aliased to the output. The interpreter checks the indexing and
+    the data moved (SMEM starts as NaN); it completes each TMA copy at once, so it would not notice a
+    missing `barrier_wait` (tried: a write-back before the wait passes). Never run on a real GPU here.
   * `kv_commit(impl="pallas")`: the TPU kernel in interpret mode on CPU, compiled on TPU, and the Mosaic
     GPU kernel on GPU (`effective_impl` says which runs).
 
@@ -47,6 +49,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
+
+try:  # JAX's Mosaic GPU interpreter (private in 0.10; the tests skip without it)
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    GPU_INTERPRET = InterpretGPUParams(detect_races=True, uninitialized_memory='nan')
+except ImportError:
+    GPU_INTERPRET = None
 
 
 def kv_commit_reference(cache, path, start, n):
@@ -112,9 +120,11 @@ def _tma_chunk(width: int, itemsize: int) -> int:
     return max(d for d in range(1, 257) if width % d == 0)
 
 
-@jax.jit
-def kv_commit_mosaic_gpu(cache, path, start, n):
-    """Mosaic GPU commit, same contract as `kv_commit_reference`; in place (the cache is aliased to the output)."""
+@functools.partial(jax.jit, static_argnames="interpret")
+def kv_commit_mosaic_gpu(cache, path, start, n, *, interpret=False):
+    """Mosaic GPU commit, same contract as `kv_commit_reference`; in place (the cache is aliased to the output).
+
+    interpret: False (compile for GPU) or `GPU_INTERPRET` (JAX's Mosaic GPU interpreter, on CPU)."""
     B, H, T, D = cache.shape
     P = path.shape[0]
     c = _tma_chunk(D, cache.dtype.itemsize)
@@ -124,7 +134,7 @@ def kv_commit_mosaic_gpu(cache, path, start, n):
     def stateful(refs):
         cache_ref, path_ref, sn_ref = refs
 
-        @pl.core_map(plgpu.Mesh(grid=(B * H,), grid_names=("row",)))
+        @pl.core_map(plgpu.Mesh(grid=(B * H,), grid_names=("row",)), interpret=interpret)
         def _():
             r = lax.axis_index("row")
 
