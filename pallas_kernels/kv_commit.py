@@ -52,7 +52,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 try:  # JAX's Mosaic GPU interpreter (private in 0.10; the tests skip without it)
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    GPU_INTERPRET = InterpretGPUParams(detect_races=True, uninitialized_memory='nan')
+    GPU_INTERPRET = InterpretGPUParams(uninitialized_memory="nan")
 except ImportError:
     GPU_INTERPRET = None
 
