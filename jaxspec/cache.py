@@ -10,7 +10,8 @@ that means for its own buffers:
   * `commit(path, n)`: keep tree nodes `path[:n]` in that order (speculative verify: the accepted path).
 
 A KV entry is slot-addressed: the forward writes K/V at slots `length ..`, `advance` has nothing to do,
-and `commit` moves the accepted rows into place (`pallas_kernels.kv_commit`). A recurrent entry will fold
+and `commit` moves the accepted rows into place (`pallas_kernels.kv_commit`). An MLA latent entry is the
+same with one row per token instead of one per KV head (`latent_commit`). A recurrent entry will fold
 its pending state instead. The conformance tests (tests/test_cache.py) hold every entry type to one promise:
 verify + commit equals a causal prefill of the accepted tokens.
 
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from pallas_kernels.kv_commit import kv_commit
+from pallas_kernels.kv_commit import kv_commit, latent_commit
 
 
 @jax.tree_util.register_dataclass
@@ -59,8 +60,35 @@ class KVEntry:
 
 @jax.tree_util.register_dataclass
 @dataclass
+class LatentEntry:
+    """One MLA layer's cache, by slot: [normalised c_kv | rotated k_pe] per token (models/mla.py).
+
+    One buffer rather than two, because absorbed attention reads it as one shared key of width r + dr
+    (c_kv as the shared value), and a commit then moves one row of r + dr values per accepted token."""
+
+    latent: jax.Array  # [B, T, kv_lora_rank + qk_rope_head_dim]
+    AXES: ClassVar[dict[str, tuple[str, ...]]] = {"latent": ("batch", "seq", "latent")}
+
+    @staticmethod
+    def init(batch: int, max_len: int, width: int, dtype) -> "LatentEntry":
+        return LatentEntry(jnp.zeros((batch, max_len, width), dtype))
+
+    def write(self, latent: jax.Array, length) -> "LatentEntry":
+        """New latents [B, N, width] go to slots length .. length+N-1."""
+        return LatentEntry(jax.lax.dynamic_update_slice(self.latent, latent.astype(self.latent.dtype), (0, length, 0)))
+
+    def advance(self, n) -> "LatentEntry":
+        return self
+
+    def commit(self, path, n, length, impl: str) -> "LatentEntry":
+        """Slot length + path[i] -> length + i for i < n; k_pe was rotated at position length + i already."""
+        return LatentEntry(latent_commit(self.latent, path, length, n, impl=impl))
+
+
+@jax.tree_util.register_dataclass
+@dataclass
 class Cache:
-    layers: tuple[Any, ...]  # one entry per layer (KVEntry, ...)
+    layers: tuple[Any, ...]  # one entry per layer (KVEntry, LatentEntry, ...)
     length: jax.Array  # [] int32: committed slots, left padding included
     start: jax.Array  # [B] int32: first real slot of each row
     max_len: int = field(metadata=dict(static=True))  # slots per row

@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from jaxspec.checkpoint import WeightsError, load_params, read_gguf, read_safetensors
+from jaxspec.checkpoint.compressed_tensors import maybe_dequantize
 from jaxspec.config import ConfigError, TargetConfig
 from jaxspec.models.registry import Family, config_from_dict, family_of, load_config
 from jaxspec.segment import Segment
@@ -102,7 +103,7 @@ def load(path, dtype="float32", *, tokenizer: bool = True) -> Model:
         tok = _tokenizer(path.parent, gguf_file=path.name) if tokenizer else None
     elif path.is_dir():
         cfg = load_config(path)
-        module = _build(cfg, read_safetensors(path), dt)
+        module = _build(cfg, maybe_dequantize(path, read_safetensors(path)), dt)
         tok = _tokenizer(path) if tokenizer else None
     else:
         raise ConfigError(f"{path} is neither a model directory nor a .gguf file")

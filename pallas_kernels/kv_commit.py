@@ -22,9 +22,20 @@ What runs where:
     Tested only on CPU: under `interpret=True` and the TPU simulator `pltpu.InterpretParams()`, and
     lowered to Mosaic for platform "tpu" via `jax.export`; never compiled or run on a real TPU (a
     single-row DMA of a packed dtype such as bf16 is the first thing to check there).
-  * `kv_commit(impl="pallas")`: the kernel in interpret mode on CPU, compiled on TPU, and the XLA
-    path on GPU: the kernel does not lower for GPU (`jax.export` for "cuda" fails with "Scalar
-    prefetch not supported in Mosaic GPU lowering"; the DMA semaphores are TPU-only too).
+  * `kv_commit_mosaic_gpu`: the GPU kernel (Mosaic GPU, `pl.core_map` over GMEM refs inside
+    `pl.run_state`, so the cache operand is aliased to the output: in place). One CTA per (batch, head)
+    row; it TMA-copies the P candidate rows start+path[i] into shared memory, waits on one barrier, then
+    TMA-copies rows i < n back to start+i: every read lands before any write, so no ordering between
+    copies is needed. A row is viewed as [W/c, c] with c <= 256 (a TMA box dimension's limit) and must be
+    a multiple of 128 bytes (a warpgroup's copy granule): head_dim 64/128 and the MLA latent 576 in bf16
+    or f32 are. Checked on CPU two ways (tests/test_kv_commit.py): run under JAX's Mosaic GPU interpreter
+    (`GPU_INTERPRET`: simulated GMEM/SMEM, TMA copies and barriers; plain `interpret=True` has no rule
+    for TMA copies) against the reference, and lowered by `jax.export(..., platforms=("cuda",))` to one
+    `mosaic_gpu` custom call with the cache aliased to the output. The interpreter checks the indexing and
+    the data moved (SMEM starts as NaN); it completes each TMA copy at once, so it would not notice a
+    missing `barrier_wait` (tried: a write-back before the wait passes). Never run on a real GPU here.
+  * `kv_commit(impl="pallas")`: the TPU kernel in interpret mode on CPU, compiled on TPU, and the Mosaic
+    GPU kernel on GPU (`effective_impl` says which runs).
 
 `latent_commit` applies the same commit to an MLA latent cache [B, T, C] (no head axis).
 """
@@ -36,7 +47,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
+
+try:  # JAX's Mosaic GPU interpreter (private in 0.10; the tests skip without it)
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    GPU_INTERPRET = InterpretGPUParams(uninitialized_memory="nan")
+except ImportError:
+    GPU_INTERPRET = None
 
 
 def kv_commit_reference(cache, path, start, n):
@@ -94,6 +112,49 @@ def kv_commit_pallas(cache, path, start, n, *, interpret=False):
     )(path.astype(jnp.int32), sn, cache)
 
 
+def _tma_chunk(width: int, itemsize: int) -> int:
+    """The TMA box's last dimension for a row of `width` values: the largest divisor <= 256."""
+    if width * itemsize % 128:
+        raise ValueError(f"the Mosaic GPU KV commit needs rows of a multiple of 128 bytes, got {width} x {itemsize} B; "
+                         "use impl='xla'")
+    return max(d for d in range(1, 257) if width % d == 0)
+
+
+@functools.partial(jax.jit, static_argnames="interpret")
+def kv_commit_mosaic_gpu(cache, path, start, n, *, interpret=False):
+    """Mosaic GPU commit, same contract as `kv_commit_reference`; in place (the cache is aliased to the output).
+
+    interpret: False (compile for GPU) or `GPU_INTERPRET` (JAX's Mosaic GPU interpreter, on CPU)."""
+    B, H, T, D = cache.shape
+    P = path.shape[0]
+    c = _tma_chunk(D, cache.dtype.itemsize)
+    rows = cache.reshape(B * H, T, D // c, c)  # [R, T, D/c, c]: one TMA box per token row
+    sn = jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(n, jnp.int32)])  # [2]
+
+    def stateful(refs):
+        cache_ref, path_ref, sn_ref = refs
+
+        @pl.core_map(plgpu.Mesh(grid=(B * H,), grid_names=("row",)), interpret=interpret)
+        def _():
+            r = lax.axis_index("row")
+
+            def scoped(stage, barrier):  # stage: SMEM [P, D/c, c]
+                s0, m = sn_ref[0], sn_ref[1]
+                for i in range(P):  # gather every candidate row before any write
+                    plgpu.copy_gmem_to_smem(cache_ref.at[r, s0 + path_ref[i]], stage.at[i], barrier)
+                plgpu.barrier_wait(barrier)
+                for i in range(P):
+                    @pl.when(i < m)
+                    def _():
+                        plgpu.copy_smem_to_gmem(stage.at[i], cache_ref.at[r, s0 + i])
+                plgpu.wait_smem_to_gmem(0)
+
+            pl.run_scoped(scoped, plgpu.SMEM((P, D // c, c), cache.dtype), plgpu.Barrier(num_arrivals=P))
+
+    out, _, _ = pl.run_state(stateful)((rows, path.astype(jnp.int32), sn))
+    return out.reshape(B, H, T, D)
+
+
 IMPLS = ("xla", "pallas")
 
 
@@ -105,19 +166,21 @@ def effective_impl(impl: str) -> str:
     if impl == "xla":
         return "xla"
     if backend == "gpu":
-        return "xla (the Pallas KV commit is TPU-only; no GPU lowering yet)"
+        return "pallas (Mosaic GPU)"
     return "pallas (interpret)" if backend == "cpu" else "pallas"
 
 
 def kv_commit(cache, path, start, n, *, impl="xla", interpret=None):
     """Engine entry point. cache: [B, H, T, D]; impl: "xla" | "pallas".
 
-    With impl="pallas", interpret=None interprets the kernel on CPU, compiles it on TPU, and uses the
-    XLA path on GPU (see the module docstring; `effective_impl` says which runs).
+    With impl="pallas", interpret=None interprets the TPU kernel on CPU, compiles it on TPU, and runs the
+    Mosaic GPU kernel on GPU (see the module docstring; `effective_impl` says which runs).
     """
     what = effective_impl(impl)
-    if what.startswith("xla"):
+    if what == "xla":
         return kv_commit_reference(cache, path, start, n)
+    if what == "pallas (Mosaic GPU)":
+        return kv_commit_mosaic_gpu(cache, path, start, n)
     if interpret is None:
         interpret = what == "pallas (interpret)"
     return kv_commit_pallas(cache, path, start, n, interpret=interpret)

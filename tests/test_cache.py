@@ -21,18 +21,28 @@ from flax import nnx
 
 import jaxspec
 from jaxspec.config import dense_config_from_dict
+from jaxspec.models.deepseek import deepseek_config_from_dict
 from jaxspec.segment import Segment
 
 BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+MLA = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+           first_k_dense_replace=1, num_attention_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+           qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+           max_position_embeddings=512, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                         "original_max_position_embeddings": 128})
+PREFIX, NODES, ATOL = 7, 10, 2e-5
 TARGETS = {
     "llama": lambda: dense_config_from_dict({**BASE, "model_type": "llama"}),
     "qwen3": lambda: dense_config_from_dict({**BASE, "model_type": "qwen3", "tie_word_embeddings": True}),
     "gemma3": lambda: dense_config_from_dict({**BASE, "model_type": "gemma3_text", "num_hidden_layers": 3,
                                               "sliding_window": 4, "sliding_window_pattern": 3,
                                               "query_pre_attn_scalar": 16}),
+    # MLA + MoE: verify (10 nodes) runs the absorbed form, the reference prefills of 8+ tokens the expanded one
+    "deepseek_v3": lambda: deepseek_config_from_dict({**MLA, "model_type": "deepseek_v3"}).replace(absorb_max_tokens=NODES),
+    "kimi_k2": lambda: deepseek_config_from_dict({**MLA, "model_type": "kimi_k2", "n_group": 1, "topk_group": 1,
+                                                  "routed_scaling_factor": 2.827}),
 }
-PREFIX, NODES, ATOL = 7, 10, 2e-5
 
 
 @pytest.fixture(scope="module", params=list(TARGETS))
@@ -151,7 +161,8 @@ def test_right_padding_is_never_committed(target):
                                rtol=0, atol=ATOL)
 
 
-AXES = {"batch", "seq", "vocab", "embed", "q_heads", "kv_heads", "head_dim", "ffn", "experts", "layers", "tap_embed"}
+AXES = {"batch", "seq", "vocab", "embed", "q_heads", "kv_heads", "head_dim", "ffn", "experts", "layers", "tap_embed",
+        "latent", "q_latent"}
 
 
 def test_logical_axes(target):

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.kv_commit import kv_commit, kv_commit_pallas, kv_commit_reference, latent_commit
+from pallas_kernels.kv_commit import (GPU_INTERPRET, effective_impl, kv_commit, kv_commit_mosaic_gpu, kv_commit_pallas, kv_commit_reference,
+                                      latent_commit)
 
 
 def random_case(rng, shape, P, dtype):
@@ -109,3 +110,44 @@ def test_donated_commit_in_place_leaves_prefix(impl):
 def test_unknown_impl_raises():
     with pytest.raises(ValueError):
         kv_commit(jnp.zeros((1, 1, 8, 2)), jnp.zeros((2,), jnp.int32), 0, 1, impl="cuda")
+
+
+@pytest.mark.parametrize("shape,dtype", [((1, 8, 64, 128), jnp.bfloat16),  # KV: 8 heads of 128
+                                         ((2, 1, 48, 576), jnp.bfloat16),  # MLA latent [c_kv | k_pe] of DeepSeek-V3
+                                         ((1, 2, 32, 64), jnp.float32)])
+def test_mosaic_gpu_kernel_lowers_in_place(shape, dtype):
+    """On this CPU-only machine the GPU kernel is checked by lowering for CUDA: one Mosaic GPU custom call whose
+    output aliases the cache operand (in place), and no Triton call."""
+    cache = jax.ShapeDtypeStruct(shape, dtype)
+    args = (cache, jax.ShapeDtypeStruct((16,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
+            jax.ShapeDtypeStruct((), jnp.int32))
+    exported = jax.export.export(jax.jit(kv_commit_mosaic_gpu, donate_argnums=0), platforms=("cuda",))(*args)
+    text = exported.mlir_module()
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    assert len(calls) == 1 and "@mosaic_gpu" in calls[0] and "triton" not in text
+    assert "output_operand_aliases" in calls[0]
+
+
+@pytest.mark.skipif(GPU_INTERPRET is None, reason="this JAX has no Mosaic GPU interpreter")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_mosaic_gpu_interpret_matches_reference(dtype):
+    """The GPU kernel itself (TMA copies, SMEM stage, barrier) under JAX's Mosaic GPU interpreter; latent-shaped
+    rows ([B, 1, T, C]) and KV-shaped ones, paths into wide trees (path[i] up to 2P)."""
+    rng = np.random.default_rng(13)
+    commit = jax.jit(lambda c, p, s, n: kv_commit_mosaic_gpu(c, p, s, n, interpret=GPU_INTERPRET))
+    for shape in ((2, 1, 40, 192), (1, 2, 40, 64)):
+        for _ in range(2):
+            cache, path, start, n = random_case(rng, shape, 6, dtype)
+            k = int(start + n)
+            out, want = commit(cache, path, start, n), kv_commit_reference(cache, path, start, n)
+            np.testing.assert_array_equal(as_f32(out)[..., :k, :], as_f32(want)[..., :k, :])
+
+
+def test_mosaic_gpu_kernel_refuses_rows_it_cannot_copy():
+    with pytest.raises(ValueError, match="multiple of 128 bytes"):
+        jax.eval_shape(kv_commit_mosaic_gpu, jnp.zeros((1, 1, 8, 24)), jnp.zeros((4,), jnp.int32), 0, 1)
+
+
+def test_effective_impl_reports_the_gpu_kernel(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert effective_impl("pallas") == "pallas (Mosaic GPU)" and effective_impl("xla") == "xla"

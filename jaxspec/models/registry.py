@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from jaxspec.checkpoint import DENSE_HF_RULES, Rule
+from jaxspec.checkpoint import DEEPSEEK_HF_RULES, DENSE_HF_RULES, Rule
 from jaxspec.config import DENSE_TYPES, ConfigError, DenseConfig, TargetConfig, dense_config_from_dict, eos_ids
+from jaxspec.models import deepseek
 from jaxspec.models.dense import DenseLM
 
 
@@ -36,6 +37,8 @@ def _dense_drafter_geometry(c: DenseConfig) -> dict:
 
 FAMILIES: tuple[Family, ...] = (
     Family("dense", DENSE_TYPES, dense_config_from_dict, DenseLM, DENSE_HF_RULES, _dense_drafter_geometry),
+    Family("deepseek", deepseek.DEEPSEEK_TYPES, deepseek.deepseek_config_from_dict, deepseek.DeepseekLM,
+           DEEPSEEK_HF_RULES, deepseek.drafter_geometry),
 )
 
 
