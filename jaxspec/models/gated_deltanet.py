@@ -160,10 +160,9 @@ def delta_block(q, k, v, g, beta, visible, S0):
     vis = visible.astype(jnp.float32)
     gamma = jnp.einsum("bij,bjh->bih", vis, g, precision=_HI)  # log-decay along each path
     diff = gamma[:, :, None, :] - gamma[:, None, :, :]  # [B, i, j, H]
-    decay = jnp.where(visible[..., None], jnp.exp(jnp.where(visible[..., None], diff, 0.0)), 0.0)
-    strict = visible & ~jnp.eye(n, dtype=bool)[None]
-    kk = jnp.einsum("bihd,bjhd->bhij", k, k, precision=_HI)
-    L = jnp.where(strict[:, None], kk * decay.transpose(0, 3, 1, 2), 0.0) * beta.transpose(0, 2, 1)[..., None]
+    decay = jnp.where(visible[..., None], jnp.exp(jnp.where(visible[..., None], diff, 0.0)), 0.0)  # 0 off-path
+    # strictly lower in effect: non-ancestors have no decay, and the solve ignores the diagonal
+    L = jnp.einsum("bihd,bjhd->bhij", k, k, precision=_HI) * decay.transpose(0, 3, 1, 2) * beta.transpose(0, 2, 1)[..., None]
     eg = jnp.exp(gamma)  # [B, n, H]
     rhs = beta[..., None] * (v - eg[..., None] * jnp.einsum("bihd,bhde->bihe", k, S0, precision=_HI))
     u = jax.scipy.linalg.solve_triangular(L + jnp.eye(n, dtype=L.dtype), rhs.transpose(0, 2, 1, 3), lower=True,
