@@ -229,3 +229,35 @@ def with_mode(model, mode):
     cfg = model.config.replace(gdn_mode=mode)
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: type(model.module)(cfg, rngs=nnx.Rngs(0))))
     return jm.Model(cfg, graphdef, model.params)
+
+
+def test_multimodal_checkpoint_layout(tiny, tmp_path):
+    """A Qwen3.5 / Qwen3.6 checkpoint as released: `qwen3_5` config with the text model in text_config, text
+    weights under model.language_model., plus a vision tower and an MTP head that the target ignores.
+    Loads to the same logits; a bfloat16 load stays close."""
+    import copy
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    hf, model, ids, ref = tiny("qwen3_5_text")
+    src = tmp_path / "src"
+    hf.save_pretrained(src)
+    tensors = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+               for k, v in load_file(src / "model.safetensors").items()}
+    tensors |= {"model.visual.patch_embed.proj.weight": np.zeros((4, 3), np.float32),
+                "mtp.fc.weight": np.zeros((4, 4), np.float32)}
+    dst = tmp_path / "vlm"
+    dst.mkdir()
+    save_file(tensors, dst / "model.safetensors")
+    text = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({"model_type": "qwen3_5", "text_config": text,
+                                                 "vision_config": {}, "tie_word_embeddings": False}))
+    vlm = jm.load(dst, tokenizer=False)
+    assert vlm.config.model_type == "qwen3_5_text" and not vlm.config.fused_projections
+    np.testing.assert_allclose(vlm.logits(ids[:, :65]), ref[:, :65], rtol=0, atol=ATOL)
+    # bfloat16: no worse than transformers' own bfloat16 run (the recurrence compounds rounding)
+    bf16 = jm.load(dst, dtype="bfloat16", tokenizer=False).logits(ids[:, :65])
+    with torch.no_grad():
+        hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)(torch.as_tensor(ids[:, :65])).logits.float().numpy()
+    assert np.abs(bf16 - ref[:, :65]).max() < 2 * np.abs(hf_bf16 - ref[:, :65]).max()

@@ -82,22 +82,17 @@ class GDNEntry:
 
     def commit(self, path, n, length, impl: str) -> "GDNEntry":
         """Keep tree nodes path[:n]: eq. (1) with i = path[n-1] over the accepted nodes (closed form, no
-        per-node states), and the conv window = the last K-1 inputs of [old window | accepted inputs]."""
+        per-node states), and the conv window = the last K-1 inputs of [old window | accepted inputs].
+        `length` and `impl` address KV slots; a recurrent entry has none."""
         p = self.pending
-        B, P = p.k.shape[0], path.shape[0]
-        Hv, Hk = p.u.shape[2], p.k.shape[2]
-        on = jnp.arange(P) < n  # [P]
-        last = path[jnp.maximum(n - 1, 0)]
-        k = jnp.repeat(p.k[:, path], Hv // Hk, axis=2)  # [B, P, Hv, dk]
-        g_last = p.gamma[:, last]  # [B, Hv]
-        w = jnp.where(on[None, :, None], jnp.exp(jnp.minimum(g_last[:, None] - p.gamma[:, path], 0.0)), 0.0)  # [B, P, Hv]
-        state = (jnp.exp(g_last)[..., None, None] * self.state
-                 + jnp.einsum("bph,bphk,bphv->bhkv", w, k, p.u[:, path], precision=_HI))
-        K1 = self.conv.shape[1]
+        r = p.u.shape[2] // p.k.shape[2]
+        on = jnp.arange(path.shape[0]) < n  # [P]
+        g_last = p.gamma[:, path[jnp.maximum(n - 1, 0)]]  # [B, Hv]
+        k = jnp.repeat(p.k[:, path], r, axis=2)  # [B, P, Hv, dk]
+        state = state_at(self.state, k, p.u[:, path], p.gamma[:, path], jnp.broadcast_to(on, k.shape[:2]), g_last)
         ext = jnp.concatenate([self.conv, p.x[:, path].astype(self.conv.dtype)], axis=1)  # [B, K-1+P, C]
-        conv = jax.lax.dynamic_slice_in_dim(ext, n, K1, axis=1)
-        del B, length, impl  # slot-free: nothing is addressed by cache position
-        return GDNEntry(conv, state.astype(self.state.dtype))
+        conv = jax.lax.dynamic_slice_in_dim(ext, n, self.conv.shape[1], axis=1)
+        return GDNEntry(conv, state)
 
 
 # ------------------------------------------------------------------------------------------ functional core
@@ -212,26 +207,24 @@ def tree_reference(q, k, v, g, beta, parents, S0):
     parents [B, n] (-1 = the committed state). Returns o, u, gamma like `delta_block`, and the per-node
     states [B, n, H, dk, dv] (memory n x H x dk x dv: fine for tests, what production avoids)."""
     B, n, H = g.shape
-    depth = jnp.zeros((B, n), jnp.int32)
-    for i in range(n):  # parents precede children
-        depth = depth.at[:, i].set(jnp.where(parents[:, i] < 0, 0, jnp.take_along_axis(depth, jnp.maximum(parents[:, i:i + 1], 0), 1)[:, 0] + 1))
-    states = jnp.concatenate([S0[:, None], jnp.zeros((B, n, *S0.shape[1:]), S0.dtype)], axis=1)  # slot 0 = S0
-    o = jnp.zeros(v.shape, jnp.float32)
-    u = jnp.zeros(v.shape, jnp.float32)
-    gamma = jnp.zeros(g.shape, jnp.float32)
-    gammas = jnp.concatenate([jnp.zeros((B, 1, H)), gamma], axis=1)
+    depth = [jnp.zeros((B,), jnp.int32)]
+    for i in range(1, n):  # parents precede children
+        d_par = jnp.stack(depth, 1)[jnp.arange(B), jnp.maximum(parents[:, i], 0)]
+        depth.append(jnp.where(parents[:, i] < 0, 0, d_par + 1))
+    depth = jnp.stack(depth, 1)  # [B, n]
+    slot = parents + 1  # parent's slot in `states` / `gammas`; slot 0 holds the committed state
+    step = jax.vmap(recurrent_step, in_axes=1, out_axes=1)  # every node at once, from its parent's state
+    states = jnp.concatenate([S0[:, None], jnp.zeros((B, n, *S0.shape[1:]), S0.dtype)], axis=1)
+    gammas = jnp.zeros((B, n + 1, H), jnp.float32)
+    o = u = jnp.zeros(v.shape, jnp.float32)
     for d in range(n):
-        par = parents + 1  # slot of the parent's state
-        S_par = jnp.take_along_axis(states, par[..., None, None, None], axis=1)  # [B, n, H, dk, dv]
-        step = jax.vmap(recurrent_step, in_axes=(1, 1, 1, 1, 1, 1), out_axes=1)
-        o_d, u_d, S_d = step(S_par, q, k, v, g, beta)
-        at = (depth == d)
+        at = depth == d  # [B, n]: this depth's nodes; their parents are final
+        o_d, u_d, S_d = step(jnp.take_along_axis(states, slot[..., None, None, None], axis=1), q, k, v, g, beta)
         o = jnp.where(at[..., None, None], o_d, o)
         u = jnp.where(at[..., None, None], u_d, u)
-        gamma = jnp.where(at[..., None], jnp.take_along_axis(gammas, par[..., None], axis=1) + g, gamma)
         states = states.at[:, 1:].set(jnp.where(at[..., None, None, None], S_d, states[:, 1:]))
-        gammas = gammas.at[:, 1:].set(gamma)
-    return o, u, gamma, states[:, 1:]
+        gammas = gammas.at[:, 1:].set(jnp.where(at[..., None], jnp.take_along_axis(gammas, slot[..., None], 1) + g, gammas[:, 1:]))
+    return o, u, gammas[:, 1:], states[:, 1:]
 
 
 # ------------------------------------------------------------------------------------------ the mixer

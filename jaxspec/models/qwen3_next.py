@@ -131,11 +131,12 @@ class GatedAttention(Attention):
     by sigmoid(gate) before o_proj; (1 + w) q/k norms; RoPE on the first `rotary_dim` dims only."""
 
     def __init__(self, spec: AttentionSpec, rotary_dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        super().__init__(spec, dtype=dtype, rngs=rngs)
+        super().__init__(spec, dtype=dtype, rngs=rngs)  # k/v/o projections and the q/k norms
         H, nH, D = spec.hidden_size, spec.num_heads, spec.head_dim
         self.rotary_dim = rotary_dim
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(rotary_dim, spec.rope))
-        self.q_proj = Linear(H, 2 * nH * D, ("embed", "q_heads"), bias=spec.bias, dtype=dtype, rngs=rngs)
+        self.q_proj = Linear(H, 2 * nH * D,  # replaces the parent's: per head [q_h | gate_h]
+                              ("embed", "q_heads"), bias=spec.bias, dtype=dtype, rngs=rngs)
 
     def rope(self, x, positions):
         r = self.rotary_dim
