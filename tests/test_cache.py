@@ -22,6 +22,7 @@ from flax import nnx
 import jaxspec
 from jaxspec.config import dense_config_from_dict
 from jaxspec.models.deepseek import deepseek_config_from_dict
+from jaxspec.models.qwen3_next import hybrid_config_from_dict
 from jaxspec.segment import Segment
 
 BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -43,6 +44,15 @@ TARGETS = {
     "kimi_k2": lambda: deepseek_config_from_dict({**MLA, "model_type": "kimi_k2", "n_group": 1, "topk_group": 1,
                                                   "routed_scaling_factor": 2.827}),
 }
+GDN = dict(BASE, num_hidden_layers=3, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+           linear_value_head_dim=8, full_attention_interval=3,  # layers: GDN, GDN, attention
+           rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25})
+TARGETS.update({
+    "qwen3_5": lambda: hybrid_config_from_dict({**GDN, "model_type": "qwen3_5_text"}),
+    "qwen3_next": lambda: hybrid_config_from_dict({**GDN, "model_type": "qwen3_next", "num_experts": 4,
+                                                   "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                                   "shared_expert_intermediate_size": 32}),
+})
 
 
 @pytest.fixture(scope="module", params=list(TARGETS))
@@ -162,7 +172,8 @@ def test_right_padding_is_never_committed(target):
 
 
 AXES = {"batch", "seq", "vocab", "embed", "q_heads", "kv_heads", "head_dim", "ffn", "experts", "layers", "tap_embed",
-        "latent", "q_latent"}
+        "latent", "q_latent", "shared_gate", "gdn_heads", "gdn_key_heads", "gdn_key_dim", "gdn_value_dim",
+        "conv_channels", "conv_kernel"}
 
 
 def test_logical_axes(target):

@@ -1,6 +1,11 @@
-"""DeepSeek-V3 mixture of experts: a sigmoid router with group-limited top-k, stacked routed experts, shared experts.
+"""Mixtures of experts: stacked routed experts shared by two blocks.
 
-Router (`DeepseekV3TopkRouter`, float32 whatever the model dtype): s = sigmoid(x W_gate); the correction
+  * `MoE` (DeepSeek-V3, Kimi K2): a sigmoid router with group-limited top-k, plus shared experts.
+  * `SparseMoeBlock` (Qwen3-Next, Qwen3.5-MoE): softmax top-k, plus one shared expert behind a sigmoid gate:
+        p = softmax(x W_router); w, idx = top-k(p) (renormalised when norm_topk_prob)
+        y = sum_k w_k expert_{idx_k}(x) + sigmoid(x w_sg) * shared_expert(x)
+
+DeepSeek's router (`DeepseekV3TopkRouter`, float32 whatever the model dtype): s = sigmoid(x W_gate); the correction
 bias is added for *selection only*: groups are ranked by the sum of their two best biased scores, the best
 `topk_group` groups kept, the top `num_experts_per_tok` experts chosen among them; the weights are the
 *unbiased* s of the chosen experts, renormalised (norm_topk_prob) and times `routed_scaling_factor`.
@@ -24,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.models.layers import MLP, param
+from jaxspec.models.layers import MLP, Linear, param
 
 GATHER_MAX_PAIRS = 64  # (token, expert) pairs up to which gathering experts is used (the measured crossover)
 
@@ -81,10 +86,7 @@ class MoE(nnx.Module):
         self.norm_topk_prob, self.scaling = norm_topk_prob, scaling
         H, I, E = hidden, moe_intermediate, num_experts
         self.gate = Router(H, E, rngs=rngs)
-        normal = lambda shape, fan_in: jax.random.normal(rngs.params(), shape, dtype) * fan_in**-0.5  # noqa: E731
-        self.experts = Experts(param(normal((E, H, I), H), ("experts", "embed", "ffn")),
-                               param(normal((E, H, I), H), ("experts", "embed", "ffn")),
-                               param(normal((E, I, H), I), ("experts", "ffn", "embed")))
+        self.experts = Experts(E, H, I, dtype=dtype, rngs=rngs)
         self.shared_experts = MLP(H, I * num_shared, "silu", dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
@@ -94,10 +96,7 @@ class MoE(nnx.Module):
         w, idx = route(flat, self.gate.weight[...], self.gate.e_score_correction_bias[...], top_k=self.top_k,
                        n_group=self.n_group, topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
                        scaling=self.scaling)
-        run = experts_gather if B * N * self.top_k <= GATHER_MAX_PAIRS else experts_ragged
-        e = self.experts
-        y = run(flat, w, idx, e.gate_proj[...], e.up_proj[...], e.down_proj[...])
-        return y.reshape(B, N, H) + self.shared_experts(x)
+        return self.experts(flat, w, idx).reshape(B, N, H) + self.shared_experts(x)
 
 
 class Router(nnx.Module):
@@ -112,5 +111,38 @@ class Router(nnx.Module):
 class Experts(nnx.Module):
     """`mlp.experts`: every routed expert's gate/up [E, H, I] and down [E, I, H] projections, stacked."""
 
-    def __init__(self, gate_proj: nnx.Param, up_proj: nnx.Param, down_proj: nnx.Param):
-        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+    def __init__(self, num_experts: int, hidden: int, d_ff: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        E, H, I = num_experts, hidden, d_ff
+        normal = lambda shape, fan_in: jax.random.normal(rngs.params(), shape, dtype) * fan_in**-0.5  # noqa: E731
+        self.gate_proj = param(normal((E, H, I), H), ("experts", "embed", "ffn"))
+        self.up_proj = param(normal((E, H, I), H), ("experts", "embed", "ffn"))
+        self.down_proj = param(normal((E, I, H), I), ("experts", "ffn", "embed"))
+
+    def __call__(self, x, w, idx):
+        """x [T, H], w/idx [T, k] -> [T, H], gathering experts for few (token, expert) pairs, ragged_dot above."""
+        run = experts_gather if idx.size <= GATHER_MAX_PAIRS else experts_ragged
+        return run(x, w, idx, self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+
+
+class SparseMoeBlock(nnx.Module):
+    """Qwen3-Next / Qwen3.5-MoE sparse block, parameters under HF's names."""
+
+    def __init__(self, d: int, num_experts: int, top_k: int, d_ff: int, shared_d_ff: int, norm_topk_prob: bool, *,
+                 dtype, rngs: nnx.Rngs):
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = Linear(d, num_experts, ("embed", "experts"), dtype=dtype, rngs=rngs)
+        self.experts = Experts(num_experts, d, d_ff, dtype=dtype, rngs=rngs)
+        self.shared_expert = MLP(d, shared_d_ff, "silu", dtype=dtype, rngs=rngs)
+        self.shared_expert_gate = Linear(d, 1, ("embed", "shared_gate"), dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        """x [B, N, H] -> [B, N, H]."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        p = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)
+        w, idx = jax.lax.top_k(p, self.top_k)
+        if self.norm_topk_prob:
+            w = w / jnp.sum(w, axis=-1, keepdims=True)
+        y = self.experts(x, w.astype(x.dtype), idx)
+        y = y + jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y.reshape(shape)

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from jaxspec.checkpoint import DEEPSEEK_HF_RULES, DENSE_HF_RULES, Rule
-from jaxspec.config import DENSE_TYPES, ConfigError, DenseConfig, TargetConfig, dense_config_from_dict, eos_ids
+from jaxspec.checkpoint import DEEPSEEK_HF_RULES, DENSE_HF_RULES, HYBRID_HF_RULES, Rule
+from jaxspec.config import DENSE_TYPES, ConfigError, DenseConfig, RopeConfig, TargetConfig, dense_config_from_dict, eos_ids
 from jaxspec.models import deepseek
 from jaxspec.models.dense import DenseLM
+from jaxspec.models.qwen3_next import HYBRID_TYPES, HybridConfig, HybridLM, hybrid_config_from_dict
 
 
 @dataclass(frozen=True)
@@ -35,10 +36,18 @@ def _dense_drafter_geometry(c: DenseConfig) -> dict:
                 max_position_embeddings=c.max_position_embeddings)
 
 
+def _hybrid_drafter_geometry(c: HybridConfig) -> dict:
+    """The target's full-attention geometry; a DFlash drafter rotates every head dim (no partial RoPE)."""
+    return dict(intermediate_size=c.intermediate_size or 4 * c.hidden_size, num_heads=c.num_heads,
+                num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+                rope=RopeConfig(theta=c.rope.theta), max_position_embeddings=c.max_position_embeddings)
+
+
 FAMILIES: tuple[Family, ...] = (
     Family("dense", DENSE_TYPES, dense_config_from_dict, DenseLM, DENSE_HF_RULES, _dense_drafter_geometry),
     Family("deepseek", deepseek.DEEPSEEK_TYPES, deepseek.deepseek_config_from_dict, deepseek.DeepseekLM,
            DEEPSEEK_HF_RULES, deepseek.drafter_geometry),
+    Family("hybrid_gdn", HYBRID_TYPES, hybrid_config_from_dict, HybridLM, HYBRID_HF_RULES, _hybrid_drafter_geometry),
 )
 
 
