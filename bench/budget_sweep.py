@@ -57,7 +57,7 @@ def memory_per_layer(budget: int, dtype_bytes: int = 2, s=QWEN36_27B) -> dict:
     N = budget + 1
     snapshots = N * s["Hv"] * s["dk"] * s["dv"] * 4
     block = N * (s["C"] * dtype_bytes + s["Hk"] * s["dk"] * 4 + s["Hv"] * s["dv"] * 4 + s["Hv"] * 4)
-    transient = N * N * s["Hv"] * 4  # the block's pairwise decay, freed inside the verify forward
+    transient = N * N * s["Hv"] * 4  # one [N, N, Hv] array of the block (a few live at once), inside verify only
     return dict(budget=budget, nodes=N, snapshots=snapshots, block=block, block_transient=transient)
 
 

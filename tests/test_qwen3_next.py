@@ -202,7 +202,8 @@ def tree_logits(model, prefix, tokens, parents, depth, vis, max_len=64):
     _, _, cache = causal(model, np.asarray(prefix)[None], np.arange(L)[None], model.module.init_cache(1, max_len))
     seg = Segment(positions=jnp.asarray(L + depth, jnp.int32)[None], visible=jnp.asarray(vis)[None],
                   parents=jnp.asarray(parents, jnp.int32)[None], lengths=jnp.full((1,), len(tokens), jnp.int32))
-    return np.asarray(_forward(model.graphdef, model.params, jnp.asarray(tokens, jnp.int32)[None], seg, cache.advance(L))[0][0])
+    logits = _forward(model.graphdef, model.params, jnp.asarray(tokens, jnp.int32)[None], seg, cache.advance(L))[0]
+    return np.asarray(logits[0])
 
 
 @pytest.mark.parametrize("wide", [True, False])

@@ -223,7 +223,8 @@ def tree_reference(q, k, v, g, beta, parents, S0):
         o = jnp.where(at[..., None, None], o_d, o)
         u = jnp.where(at[..., None, None], u_d, u)
         states = states.at[:, 1:].set(jnp.where(at[..., None, None, None], S_d, states[:, 1:]))
-        gammas = gammas.at[:, 1:].set(jnp.where(at[..., None], jnp.take_along_axis(gammas, slot[..., None], 1) + g, gammas[:, 1:]))
+        gamma_d = jnp.take_along_axis(gammas, slot[..., None], 1) + g
+        gammas = gammas.at[:, 1:].set(jnp.where(at[..., None], gamma_d, gammas[:, 1:]))
     return o, u, gammas[:, 1:], states[:, 1:]
 
 
@@ -275,9 +276,11 @@ class GatedDeltaNet(nnx.Module):
             self.in_proj_b = Linear(H, Hv, ("embed", "gdn_heads"), dtype=dtype, rngs=rngs)
             self.in_proj_a = Linear(H, Hv, ("embed", "gdn_heads"), dtype=dtype, rngs=rngs)
         K = s.conv_kernel
-        self.conv1d = param(jax.random.normal(rngs.params(), (s.channels, K), dtype) * K**-0.5, ("conv_channels", "conv_kernel"))
+        self.conv1d = param(jax.random.normal(rngs.params(), (s.channels, K), dtype) * K**-0.5,
+                            ("conv_channels", "conv_kernel"))
         # HF draws A from U(0.01, 16); a narrower range keeps random models' states alive across many tokens
-        self.A_log = param(jnp.log(jax.random.uniform(rngs.params(), (Hv,), jnp.float32, 0.05, 1.0)).astype(dtype), ("gdn_heads",))
+        A = jax.random.uniform(rngs.params(), (Hv,), jnp.float32, 0.05, 1.0)
+        self.A_log = param(jnp.log(A).astype(dtype), ("gdn_heads",))
         self.dt_bias = param(jnp.ones((Hv,), dtype), ("gdn_heads",))
         self.norm = GatedRMSNorm(s.value_dim, s.eps, dtype)
         self.out_proj = Linear(vd, H, ("gdn_heads", "embed"), dtype=dtype, rngs=rngs)
@@ -317,7 +320,8 @@ class GatedDeltaNet(nnx.Module):
         k = l2norm(k.reshape(B, N, Hk, dk))
         v = v.reshape(B, N, Hv, dv)
         beta = jnp.where(real[..., None], jax.nn.sigmoid(b.astype(jnp.float32)), 0.0)
-        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        f32 = lambda t: t.astype(jnp.float32)  # noqa: E731
+        g = -jnp.exp(f32(self.A_log[...])) * jax.nn.softplus(f32(a) + f32(self.dt_bias[...]))
         g = jnp.where(real[..., None], g, 0.0)
         qr, kr = (jnp.repeat(t, Hv // Hk, axis=2) for t in (q, k))
         last = jnp.maximum(segment.lengths - 1, 0)  # [B] the last real token
@@ -329,7 +333,7 @@ class GatedDeltaNet(nnx.Module):
             o, u, gamma, S = chunked(qr, kr, v, g, beta, entry.state)  # right padding: identity steps
         elif s.mode == "reference":
             o, u, gamma, states = tree_reference(qr, kr, v, g, beta, segment.parents, entry.state)
-            S = jnp.where(has[..., None, None], jnp.take_along_axis(states, last[:, None, None, None, None], 1)[:, 0], entry.state)
+            S = jnp.where(has[..., None, None], states[jnp.arange(B), last], entry.state)
         else:
             o, u, gamma = delta_block(qr, kr, v, g, beta, segment.visible, entry.state)
             sel = jnp.take_along_axis(segment.visible, last[:, None, None], axis=1)[:, 0] & has  # [B, N]

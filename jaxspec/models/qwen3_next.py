@@ -73,7 +73,8 @@ def hybrid_config_from_dict(d: dict) -> HybridConfig:
     """Parse a HF config dict of the hybrid family (multimodal wrappers read their text_config)."""
     model_type = d.get("model_type")
     if model_type not in HYBRID_TYPES:
-        raise ConfigError(f"model_type {model_type!r} is not a hybrid GDN model; this family reads: {', '.join(HYBRID_TYPES)}")
+        raise ConfigError(f"model_type {model_type!r} is not a hybrid GDN model; "
+                          f"this family reads: {', '.join(HYBRID_TYPES)}")
     if model_type in _TEXT_OF:
         text = dict(d.get("text_config") or {})
         text["model_type"] = _TEXT_OF[model_type]
@@ -199,7 +200,8 @@ class HybridLM(nnx.Module):
         self.embed_tokens = param(jax.random.normal(rngs.params(), (cfg.vocab_size, H), dtype) * 0.02, ("vocab", "embed"))
         self.layers = nnx.List([HybridLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(H, cfg.rms_norm_eps, plus_one=True, dtype=dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(H, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(H, cfg.vocab_size, ("embed", "vocab"), dtype=dtype,
+                                                                   rngs=rngs)
 
     def init_cache(self, batch: int, max_len: int) -> Cache:
         c, s = self.config, gdn_spec(self.config)
