@@ -20,7 +20,7 @@ from flax import nnx
 from jaxspec.cache import Cache, LatentEntry
 from jaxspec.config import ConfigError, RopeConfig, eos_ids
 from jaxspec.models.attention import cache_mask
-from jaxspec.models.layers import MLP, Linear, RMSNorm, param
+from jaxspec.models.layers import Linear, MLP, RMSNorm, lm_logits, param
 from jaxspec.models.mla import MLA, MLARope, MLASpec, absorb_threshold, rope_tables, softmax_scale
 from jaxspec.models.moe import MoE
 from jaxspec.segment import Segment
@@ -183,11 +183,7 @@ class DeepseekLM(nnx.Module):
 
     def head(self, h: jax.Array, vocab: jax.Array | None = None) -> jax.Array:
         """Final hidden (normed) [..., H] -> float32 logits [..., V], or [..., K] for the token ids in `vocab`."""
-        if self.lm_head is None:
-            W = self.embed_tokens[...] if vocab is None else jnp.take(self.embed_tokens[...], vocab, axis=0)
-            return jnp.einsum("...h,vh->...v", h, W, preferred_element_type=jnp.float32)
-        W = self.lm_head.kernel[...] if vocab is None else jnp.take(self.lm_head.kernel[...], vocab, axis=1)
-        return jnp.einsum("...h,hv->...v", h, W, preferred_element_type=jnp.float32)
+        return lm_logits(h, self.embed_tokens[...], self.lm_head, vocab)
 
     def __call__(self, tokens, segment: Segment, cache: Cache, *, tap_layers=(), logits_idx=None):
         """Append N tokens to the cache and return (logits, taps, pending cache); the contract of

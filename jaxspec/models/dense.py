@@ -18,7 +18,7 @@ from flax import nnx
 from jaxspec.cache import Cache, KVEntry
 from jaxspec.config import DenseConfig
 from jaxspec.models.attention import Attention, AttentionSpec, cache_mask
-from jaxspec.models.layers import MLP, Linear, RMSNorm, param
+from jaxspec.models.layers import MLP, Linear, RMSNorm, lm_logits, param
 from jaxspec.segment import Segment
 
 
@@ -79,12 +79,7 @@ class DenseLM(nnx.Module):
     def head(self, h: jax.Array, vocab: jax.Array | None = None) -> jax.Array:
         """Final hidden (already normed) [..., H] -> float32 logits [..., V], or [..., K] for the K token
         ids in `vocab` only. The drafter reuses it (with its draft vocabulary)."""
-        if self.lm_head is None:
-            W = self.embed_tokens[...] if vocab is None else jnp.take(self.embed_tokens[...], vocab, axis=0)
-            logits = jnp.einsum("...h,vh->...v", h, W, preferred_element_type=jnp.float32)
-        else:
-            W = self.lm_head.kernel[...] if vocab is None else jnp.take(self.lm_head.kernel[...], vocab, axis=1)
-            logits = jnp.einsum("...h,hv->...v", h, W, preferred_element_type=jnp.float32)
+        logits = lm_logits(h, self.embed_tokens[...], self.lm_head, vocab)
         cap = self.config.final_logit_softcapping
         return cap * jnp.tanh(logits / cap) if cap else logits
 

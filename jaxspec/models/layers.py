@@ -75,6 +75,17 @@ class MLP(nnx.Module):
         return self.down_proj(g * self.up_proj(x))
 
 
+def lm_logits(h: jax.Array, embed_tokens: jax.Array, lm_head: "Linear | None", vocab: jax.Array | None = None) -> jax.Array:
+    """Final hidden (already normed) [..., H] -> float32 logits [..., V] through the LM head, or the tied
+    embedding [V, H] when there is none; [..., K] for the K token ids in `vocab` only (a drafter's draft
+    vocabulary)."""
+    if lm_head is None:
+        W = embed_tokens if vocab is None else jnp.take(embed_tokens, vocab, axis=0)
+        return jnp.einsum("...h,vh->...v", h, W, preferred_element_type=jnp.float32)
+    W = lm_head.kernel[...] if vocab is None else jnp.take(lm_head.kernel[...], vocab, axis=1)
+    return jnp.einsum("...h,hv->...v", h, W, preferred_element_type=jnp.float32)
+
+
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
     """inv_freq [head_dim/2] for the default, linear and llama3 RoPE types (HF modeling_rope_utils), and
     llama.cpp's explicit per-frequency factors."""

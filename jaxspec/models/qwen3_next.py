@@ -23,7 +23,7 @@ from jaxspec.cache import Cache, KVEntry
 from jaxspec.config import ConfigError, RopeConfig, _rope, eos_ids
 from jaxspec.models.attention import Attention, AttentionSpec, attend, cache_mask
 from jaxspec.models.gated_deltanet import MODES, GatedDeltaNet, GDNEntry, GDNSpec
-from jaxspec.models.layers import MLP, Linear, RMSNorm, apply_rope, param, rope_inv_freq
+from jaxspec.models.layers import Linear, MLP, RMSNorm, apply_rope, lm_logits, param, rope_inv_freq
 from jaxspec.models.moe import SparseMoeBlock
 from jaxspec.segment import Segment
 
@@ -216,11 +216,7 @@ class HybridLM(nnx.Module):
 
     def head(self, h: jax.Array, vocab: jax.Array | None = None) -> jax.Array:
         """Final hidden (already normed) [..., H] -> float32 logits [..., V] (or [..., K] for `vocab` ids)."""
-        if self.lm_head is None:
-            W = self.embed_tokens[...] if vocab is None else jnp.take(self.embed_tokens[...], vocab, axis=0)
-            return jnp.einsum("...h,vh->...v", h, W, preferred_element_type=jnp.float32)
-        W = self.lm_head.kernel[...] if vocab is None else jnp.take(self.lm_head.kernel[...], vocab, axis=1)
-        return jnp.einsum("...h,hv->...v", h, W, preferred_element_type=jnp.float32)
+        return lm_logits(h, self.embed_tokens[...], self.lm_head, vocab)
 
     def __call__(self, tokens, segment: Segment, cache: Cache, *, tap_layers=(), logits_idx=None):
         """Append N tokens and return (logits, taps, pending cache); arguments as `DenseLM.__call__`.
