@@ -8,25 +8,14 @@ ratio of the two columns, not absolute times across machines.
 """
 from __future__ import annotations
 
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 from jaxspec.models.moe import experts_gather, experts_ragged, route
+from mla import timed  # bench/ is the script's directory, so its sibling imports
 
 H, I, E, K = 1024, 256, 64, 8
-
-
-def timed(f, *args):
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main():
