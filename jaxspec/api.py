@@ -131,16 +131,19 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
             tokens[b, P - len(r):] = r
         state = engine.ar_prefill(model.graphdef, model.params, jnp.asarray(tokens), jnp.asarray(start), key,
                                   jnp.int32(max_new_tokens), max_len=_round_up(P + max_new_tokens, 256),
-                                  out_len=_round_up(max_new_tokens, 64), sampling=sampling, eos=eos)
+                                  out_len=_round_up(max_new_tokens, 64), sampling=sampling, eos=eos,
+                                  layout=model.layout)
         step = lambda s, stop: engine.ar_decode(model.graphdef, model.params, s, jnp.int32(stop),  # noqa: E731
-                                                sampling=sampling, eos=eos)
+                                                sampling=sampling, eos=eos, layout=model.layout)
         count = lambda s: int(s.steps)  # noqa: E731
     else:
         if len(rows) != 1:
             raise ValueError("speculative decoding runs one prompt at a time; use method='ar' for batches")
         check_fits(drafter.config, model)
+        check_placement(drafter, model)
         dc = drafter.config
-        settings = engine.SpecSettings(method, budget, dc.block_size, dc.target_layer_ids, sampling, eos, kv_impl)
+        settings = engine.SpecSettings(method, budget, dc.block_size, dc.target_layer_ids, sampling, eos, kv_impl,
+                                       model.layout, drafter.layout)
         (r,) = rows
         P = _round_up(len(r), 64)
         tokens = np.zeros((1, P), np.int32)  # right-padded; the forward is told the real length
@@ -198,6 +201,15 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
     if single:
         return GenerationResult(ids[0], texts[0] if texts else None, stats)
     return GenerationResult(ids, texts, stats)
+
+
+def check_placement(drafter: Drafter, model: Model) -> None:
+    """Drafter and target must live on the same devices (the drafter is placed when loaded for a model)."""
+    mesh = lambda h: None if h.layout is None else h.layout.mesh  # noqa: E731
+    if drafter.layout is not None and mesh(drafter) != mesh(model) or \
+            drafter.layout is None and model.layout is not None and jax.tree.leaves(drafter.params):
+        raise ValueError("the drafter and the target are on different devices; load or init the drafter after "
+                         "sharding the target (jaxspec.load_drafter(path, model) places it on the model's mesh)")
 
 
 def spec_stats(hist: np.ndarray, rounds: int, emitted: int, budget: int, tree_nodes: int) -> dict:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -10,12 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxspec.checkpoint import WeightsError, load_params, read_gguf, read_safetensors
 from jaxspec.checkpoint.compressed_tensors import maybe_dequantize
 from jaxspec.config import ConfigError, TargetConfig
 from jaxspec.models.registry import Family, config_from_dict, family_of, load_config
 from jaxspec.segment import Segment
+from jaxspec.sharding import Layout, place
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -37,6 +39,7 @@ class Model:
     params: Any  # nnx.State of the family's module
     tokenizer: Any = None
     source: str = ""
+    layout: Layout | None = None  # the mesh and sharding rules, None on one device
 
     @property
     def family(self) -> Family:
@@ -69,10 +72,15 @@ class Model:
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); got {ids.min()}..{ids.max()}")
         return np.asarray(_causal_logits(self.graphdef, self.params, jnp.asarray(ids)))
 
+    def on_mesh(self, mesh: Mesh) -> "Model":
+        """The same model with its parameters sharded over `mesh` (jaxspec.make_mesh) by its family's rules."""
+        layout = Layout.of(self.family.name, mesh)
+        return replace(self, params=layout.place_params(self.params), layout=layout)
+
     @staticmethod
-    def from_module(module: nnx.Module, tokenizer=None, source: str = "") -> "Model":
+    def from_module(module: nnx.Module, tokenizer=None, source: str = "", layout: Layout | None = None) -> "Model":
         graphdef, params = nnx.split(module)
-        return Model(module.config, graphdef, params, tokenizer, source)
+        return Model(module.config, graphdef, params, tokenizer, source, layout)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -84,14 +92,17 @@ def _causal_logits(graphdef, params, ids):
     return logits
 
 
-def random_model(config: TargetConfig, *, seed: int = 0, dtype="float32", tokenizer=None) -> Model:
+def random_model(config: TargetConfig, *, seed: int = 0, dtype="float32", tokenizer=None, mesh: Mesh | None = None) -> Model:
     """A randomly initialised target of any registered family (tests, benchmarks on bigger shapes)."""
     module = family_of(config.model_type).module(config, dtype=parse_dtype(dtype), rngs=nnx.Rngs(seed))
-    return Model.from_module(module, tokenizer, source="random")
+    model = Model.from_module(module, tokenizer, source="random")
+    return model if mesh is None else model.on_mesh(mesh)
 
 
-def load(path, dtype="float32", *, tokenizer: bool = True) -> Model:
-    """Load a target from a HF directory (config.json + safetensors [+ index]) or a .gguf file."""
+def load(path, dtype="float32", *, mesh: Mesh | None = None, tokenizer: bool = True) -> Model:
+    """Load a target from a HF directory (config.json + safetensors [+ index]) or a .gguf file.
+
+    mesh (jaxspec.make_mesh): each tensor goes straight into its shards as it is read."""
     path = Path(path)
     dt = parse_dtype(dtype)
     if not path.exists():
@@ -99,21 +110,29 @@ def load(path, dtype="float32", *, tokenizer: bool = True) -> Model:
     if path.is_file() and path.suffix == ".gguf":
         hf_cfg, tensors = read_gguf(path)
         cfg = config_from_dict(hf_cfg)
-        module = _build(cfg, tensors, dt)
+        layout = _layout(cfg, mesh)
+        module = _build(cfg, tensors, dt, layout)
         tok = _tokenizer(path.parent, gguf_file=path.name) if tokenizer else None
     elif path.is_dir():
         cfg = load_config(path)
-        module = _build(cfg, maybe_dequantize(path, read_safetensors(path)), dt)
+        layout = _layout(cfg, mesh)
+        module = _build(cfg, maybe_dequantize(path, read_safetensors(path)), dt, layout)
         tok = _tokenizer(path) if tokenizer else None
     else:
         raise ConfigError(f"{path} is neither a model directory nor a .gguf file")
-    return Model.from_module(module, tok, source=str(path))
+    return Model.from_module(module, tok, source=str(path), layout=layout)
 
 
-def _build(cfg: TargetConfig, tensors, dtype) -> nnx.Module:
-    """The family's module for `cfg`, filled from `tensors` through the family's name table."""
+def _layout(cfg: TargetConfig, mesh: Mesh | None) -> Layout | None:
+    return None if mesh is None else Layout.of(family_of(cfg.model_type).name, mesh)
+
+
+def _build(cfg: TargetConfig, tensors, dtype, layout: Layout | None = None) -> nnx.Module:
+    """The family's module for `cfg`, filled from `tensors` through the family's name table (straight into
+    each parameter's shards when there is a layout)."""
     family = family_of(cfg.model_type)
-    return load_params(lambda: family.module(cfg, dtype=dtype, rngs=nnx.Rngs(0)), tensors, family.hf_rules)
+    put = None if layout is None else (lambda arr, var: place(arr, layout.sharding(var.get_metadata()["out_sharding"], arr.shape)))
+    return load_params(lambda: family.module(cfg, dtype=dtype, rngs=nnx.Rngs(0)), tensors, family.hf_rules, place=put)
 
 
 def _tokenizer(model_dir: Path, gguf_file: str | None = None):

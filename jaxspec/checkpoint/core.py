@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -47,14 +48,17 @@ class Rule:
 
 
 def load_params(module_ctor: Callable[[], nnx.Module], tensors: Iterable[tuple[str, np.ndarray]],
-                rules: Iterable[Rule], *, what: str = "checkpoint") -> nnx.Module:
+                rules: Iterable[Rule], *, what: str = "checkpoint",
+                place: Callable[[np.ndarray, nnx.Variable], jax.Array] | None = None) -> nnx.Module:
     """Build `module_ctor()` abstractly and fill every parameter from `tensors` through the first matching rule.
 
     Each tensor is cast once, straight to its parameter's dtype; a non-floating parameter (packed INT4/INT8)
     takes a tensor of exactly its dtype, untouched. Raises WeightsError on a name no rule maps, a shape or
     dtype that does not fit, a parameter filled twice, and on any parameter (or stacked slice) left empty.
-    `what` names the source in the messages ("drafter checkpoint").
+    `what` names the source in the messages ("drafter checkpoint"). `place(host_array, variable)` puts a
+    complete parameter (already cast) on device, e.g. straight into its shards on a mesh; default: device 0.
     """
+    place = place or (lambda arr, var: jnp.asarray(arr))
     graphdef, state = nnx.split(nnx.eval_shape(module_ctor))
     flat = dict(nnx.to_flat_state(state))
     by_path = {".".join(str(p) for p in k): k for k in flat}
@@ -80,7 +84,7 @@ def load_params(module_ctor: Callable[[], nnx.Module], tensors: Iterable[tuple[s
         if rule.stack is None:
             _check_shape(name, arr.shape, var.shape)
             _fill_once(filled, path, name)
-            var.set_value(jnp.asarray(arr, dtype=var.dtype))
+            var.set_value(place(np.asarray(arr, dtype=var.dtype), var))
             continue
         e, E = int(m.group(rule.stack + 1)), var.shape[0]
         _check_shape(name, arr.shape, var.shape[1:])
@@ -94,7 +98,7 @@ def load_params(module_ctor: Callable[[], nnx.Module], tensors: Iterable[tuple[s
         stack[0][e] = arr  # the one cast, straight into the parameter's dtype
         stack[1] += 1
         if stack[1] == E:
-            var.set_value(jnp.asarray(stacks.pop(path)[0]))
+            var.set_value(place(stacks.pop(path)[0], var))
             filled[path] = name
 
     missing = []
