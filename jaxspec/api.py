@@ -14,6 +14,7 @@ from jaxspec import engine
 from jaxspec.drafter import Drafter, check_fits
 from jaxspec.model import Model
 from jaxspec.sampling import SamplingParams
+from jaxspec.sharding import to_host
 from pallas_kernels.kv_commit import effective_impl
 
 METHODS = ("ar", "dflash", "ddtree")
@@ -135,7 +136,7 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
                                   layout=model.layout)
         step = lambda s, stop: engine.ar_decode(model.graphdef, model.params, s, jnp.int32(stop),  # noqa: E731
                                                 sampling=sampling, eos=eos, layout=model.layout)
-        count = lambda s: int(s.steps)  # noqa: E731
+        count = lambda s: int(to_host(s.steps))  # noqa: E731
     else:
         if len(rows) != 1:
             raise ValueError("speculative decoding runs one prompt at a time; use method='ar' for batches")
@@ -157,35 +158,35 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
                                     max_len=max_len, out_len=out_len, settings=settings)
         step = lambda s, stop: engine.spec_decode(model.graphdef, model.params, drafter.graphdef,  # noqa: E731
                                                   drafter.params, s, jnp.int32(stop), settings=settings)
-        count = lambda s: int(s.emitted)  # noqa: E731
+        count = lambda s: int(to_host(s.emitted))  # noqa: E731
 
     state = step(state, count(state))  # compiles the decode loop without running a step
     jax.block_until_ready(state)
     t1 = time.perf_counter()
     if on_tokens is not None:
         shown = count(state)
-        on_tokens(np.asarray(state.out).reshape(-1)[:shown].tolist())
-        while not bool(np.all(np.asarray(state.done))):
+        on_tokens(to_host(state.out).reshape(-1)[:shown].tolist())
+        while not bool(np.all(to_host(state.done))):
             state = step(state, count(state) + chunk_tokens)
             n = count(state)
-            on_tokens(np.asarray(state.out).reshape(-1)[shown:n].tolist())
+            on_tokens(to_host(state.out).reshape(-1)[shown:n].tolist())
             shown = n
     else:
         state = step(state, max_new_tokens)
     jax.block_until_ready(state)
     t2 = time.perf_counter()
 
-    out = np.asarray(state.out)
+    out = to_host(state.out)
     if method == "ar":
-        n = np.asarray(state.emitted)
+        n = to_host(state.emitted)
         ids = [out[b, : n[b]].tolist() for b in range(out.shape[0])]
-        forwards = int(state.steps)
+        forwards = int(to_host(state.steps))
         stats["acceptance_length"] = 1.0
     else:
-        ids = [out[: int(state.emitted)].tolist()]
-        rounds = int(state.rounds)
+        ids = [out[: int(to_host(state.emitted))].tolist()]
+        rounds = int(to_host(state.rounds))
         forwards = rounds + 1
-        stats.update(spec_stats(np.asarray(state.accepted_hist), rounds, len(ids[0]), budget, int(state.tree_nodes)),
+        stats.update(spec_stats(to_host(state.accepted_hist), rounds, len(ids[0]), budget, int(to_host(state.tree_nodes))),
                      kv_commit=kv_commit)
     new_tokens = sum(map(len, ids))
     decode_tokens = new_tokens - len(ids)  # the first token of each row comes from the prefill

@@ -118,6 +118,16 @@ def place(x, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 
+def to_host(x) -> np.ndarray:
+    """A (possibly multi-process) array -> numpy on this host; every process must call it (a collective
+    gathers what other processes hold)."""
+    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
 def _is_var(x) -> bool:
     return isinstance(x, nnx.Variable)
 
@@ -129,4 +139,4 @@ def _axes(v: nnx.Variable) -> tuple[str, ...]:
     return tuple(axes)
 
 
-__all__ = ["make_mesh", "Layout", "RULES", "MESH_AXES", "place"]
+__all__ = ["make_mesh", "Layout", "RULES", "MESH_AXES", "place", "to_host"]
