@@ -137,3 +137,14 @@ def test_sharded_loops_lower_for_cuda(name):
     for exp in (ar, dec, spec):
         assert exp.platforms == ("cuda",) and exp.nr_devices == 8
         assert "stablehlo" in exp.mlir_module()
+
+
+def test_load_into_mesh(tiny_hf):
+    """jaxspec.load(path, mesh=) streams every tensor into its shards: same logits as a one-device load."""
+    _, path = tiny_hf("llama")
+    one = jaxspec.load(path, tokenizer=False)
+    sharded = jaxspec.load(path, mesh=jaxspec.make_mesh(tp=4, dp=2), tokenizer=False)
+    q = sharded.params["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
+    assert q.sharding.spec == P(None, "tp") and len(q.addressable_shards) == 8
+    ids = np.array([PROMPT, PROMPT[::-1]])
+    np.testing.assert_allclose(sharded.logits(ids), one.logits(ids), rtol=1e-5, atol=1e-5)
