@@ -112,6 +112,9 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
                                   or chunk_tokens < 1):
         raise ValueError(f"chunk_tokens must be a positive integer when streaming, got {chunk_tokens!r}")
     kv_commit = effective_impl(kv_impl)
+    if kv_impl != "xla" and model.layout is not None:
+        raise ValueError(f"kv_impl={kv_impl!r} runs on one device; a sharded model commits with kv_impl='xla' "
+                         "(the default), which XLA partitions with the cache")
     single, rows = prompt_rows(model, prompt, input_ids, chat)
     if on_tokens is not None and not single:
         raise ValueError("streaming (on_tokens) needs a single prompt, not a batch")

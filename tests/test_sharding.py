@@ -114,6 +114,8 @@ def test_drafter_on_other_devices_is_refused():
     sharded = m.on_mesh(jaxspec.make_mesh(tp=8))
     with pytest.raises(ValueError, match="different devices"):
         jaxspec.generate(sharded, input_ids=PROMPT, drafter=d, max_new_tokens=4)
+    with pytest.raises(ValueError, match="runs on one device"):
+        jaxspec.generate(sharded, input_ids=PROMPT, drafter=d, max_new_tokens=4, kv_impl="pallas")
 
 
 @pytest.mark.parametrize("name", list(TARGETS))
