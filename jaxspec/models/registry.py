@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from jaxspec.checkpoint import DEEPSEEK_HF_RULES, DENSE_HF_RULES, HYBRID_HF_RULES, Rule
+from jaxspec.checkpoint import DEEPSEEK_HF_RULES, DENSE_HF_RULES, GEMMA4_HF_RULES, HYBRID_HF_RULES, Rule
 from jaxspec.config import DENSE_TYPES, ConfigError, DenseConfig, RopeConfig, TargetConfig, dense_config_from_dict, eos_ids
-from jaxspec.models import deepseek
+from jaxspec.models import deepseek, gemma4
 from jaxspec.models.dense import DenseLM
 from jaxspec.models.qwen3_next import HYBRID_TYPES, HybridConfig, HybridLM, hybrid_config_from_dict
 
@@ -48,6 +48,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("deepseek", deepseek.DEEPSEEK_TYPES, deepseek.deepseek_config_from_dict, deepseek.DeepseekLM,
            DEEPSEEK_HF_RULES, deepseek.drafter_geometry),
     Family("hybrid_gdn", HYBRID_TYPES, hybrid_config_from_dict, HybridLM, HYBRID_HF_RULES, _hybrid_drafter_geometry),
+    Family("gemma4", gemma4.GEMMA4_TYPES, gemma4.gemma4_config_from_dict, gemma4.Gemma4LM, GEMMA4_HF_RULES,
+           gemma4.drafter_geometry),
 )
 
 
