@@ -119,10 +119,12 @@ def gemma4_config_from_dict(d: dict) -> Gemma4Config:
         text = dict(d.get("text_config") or {})
         if not text:
             raise ConfigError("gemma4 config.json has no text_config; is it a complete Gemma 4 config?")
-        for key in ("eos_token_id", "bos_token_id", "pad_token_id", "tie_word_embeddings"):
+        for key in ("bos_token_id", "pad_token_id", "tie_word_embeddings"):
             if key in d:
                 text.setdefault(key, d[key])
-        return dataclasses.replace(gemma4_config_from_dict({**text, "model_type": "gemma4_text"}), model_type=model_type)
+        cfg = gemma4_config_from_dict({**text, "model_type": "gemma4_text"})
+        # the wrapper's EOS list (end of turn too) is what generation stops on; keep the text model's as well
+        return cfg.replace(model_type=model_type, eos_token_ids=eos_ids(cfg.eos_token_ids, d.get("eos_token_id")))
 
     import transformers  # fills defaults, derives layer_types, per-layer geometry and the KV-sharing modes
 
