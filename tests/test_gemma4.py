@@ -30,6 +30,7 @@ from jaxspec.sampling import SamplingParams
 from jaxspec.segment import Segment
 from jaxspec.testing import oracle_drafter
 from jaxspec.tree import build_tree, tree_segment
+from test_cache import AXES
 from test_dense import forward, hf_logits
 from test_sampling import chi2_pvalue, exact_levels
 
@@ -188,6 +189,14 @@ def path_of(tokens, parents, i):
         i = int(parents[i])
         out.append(int(tokens[i]))
     return out[::-1]
+
+
+def test_logical_axes(target):
+    """Every parameter of the every-switch target (PLE tables on the `per_layer` axis, router, fused experts, the
+    scalar `layer_scalar` with no axis) names one known logical axis per dimension."""
+    for path, var in nnx.to_flat_state(target.params):
+        axes = var.get_metadata().get("out_sharding")
+        assert axes is not None and len(axes) == var.ndim and set(axes) <= AXES, (path, axes, var.shape)
 
 
 def test_tree_oracle_budget_64(target):
