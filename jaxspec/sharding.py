@@ -38,6 +38,8 @@ RULES: dict[str, Mapping[str, str | None]] = {
     "deepseek": {**_COMMON, "experts": "tp", "latent": None, "q_latent": None},
     "hybrid_gdn": {**_COMMON, "experts": "tp", "shared_gate": None, "gdn_heads": "tp", "gdn_key_heads": "tp",
                    "gdn_key_dim": None, "gdn_value_dim": None, "conv_channels": "tp", "conv_kernel": None},
+    # per_layer: Gemma 4's per-layer-input width (L * P packed, or P); small, so replicated
+    "gemma4": {**_COMMON, "experts": "tp", "per_layer": None},
     "drafter": _COMMON,  # DFlash drafters: dense attention + MLP over the target's taps
 }
 

@@ -15,6 +15,7 @@ import jaxspec
 from jaxspec import engine
 from jaxspec.config import dense_config_from_dict
 from jaxspec.models.deepseek import deepseek_config_from_dict
+from jaxspec.models.gemma4 import gemma4_config_from_dict
 from jaxspec.models.qwen3_next import hybrid_config_from_dict
 from jaxspec.sampling import SamplingParams
 from jaxspec.sharding import Layout
@@ -36,6 +37,13 @@ TARGETS = {
         linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=8,
         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})),
+    # full layers: 2 KV heads of 16 (k_eq_v), replicated at tp = 4 and 8; layer 3 reads layer 1's K/V; PLE; MoE
+    "gemma4": lambda: gemma4_config_from_dict(dict(
+        BASE, model_type="gemma4_text", num_hidden_layers=4, global_head_dim=16, num_global_key_value_heads=2,
+        attention_k_eq_v=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
+        num_kv_shared_layers=1, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
+        enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=16,
+        final_logit_softcapping=30.0)),
 }
 MESHES = {"tp8": (8, 1), "dp2xtp4": (4, 2)}
 PROMPT = [int(t) for t in np.random.RandomState(1).randint(0, 128, 11)]
