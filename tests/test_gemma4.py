@@ -13,6 +13,7 @@ window (4) is shorter than every sequence (13), so the sliding layers really sli
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -48,8 +49,8 @@ VARIANTS = {
 B, T, RTOL = 2, 13, 5e-4  # RTOL: max |error| / max |logit|
 
 
-def build_hf(variant: str, seed: int = 0):
-    cfg = transformers.AutoConfig.for_model("gemma4_text", **{**BASE, **VARIANTS[variant]})
+def build_hf(variant: str, seed: int = 0, **overrides):
+    cfg = transformers.AutoConfig.for_model("gemma4_text", **{**BASE, **VARIANTS[variant], **overrides})
     cfg._attn_implementation = "eager"
     cfg._experts_implementation = "eager"
     torch.manual_seed(seed)
@@ -157,6 +158,69 @@ def test_multimodal_checkpoint_layout(tiny, tmp_path):
     vlm = jm.load(dst, tokenizer=False)
     assert vlm.config.model_type == "gemma4" and vlm.config.eos_token_ids == (1, 106)
     np.testing.assert_array_equal(vlm.logits(ids), model.logits(ids))
+
+
+def write_gemma4_gguf(hf, path):
+    """Write a HF Gemma 4 the way llama.cpp's converter (Gemma4Model) does, in float32: names from gguf's own
+    tensor map, the router's scale and per-expert scale as `.scale` tensors, per-layer arrays for the KV heads
+    and MLP widths, and proportional RoPE as a `rope_freqs` tensor (1 = rotated pair, 1e30 = not)."""
+    import gguf
+
+    c, sd = hf.config, {k: v.numpy() for k, v in hf.state_dict().items()}
+    L, swa = c.num_hidden_layers, [t == "sliding_attention" for t in c.layer_types]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, L)
+    w = gguf.GGUFWriter(str(path), "gemma4")
+    w.add_vocab_size(c.vocab_size)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(L)
+    shared = L - c.num_kv_shared_layers
+    w.add_feed_forward_length([c.intermediate_size * (2 if c.use_double_wide_mlp and i >= shared else 1) for i in range(L)])
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv([c.per_layer_config[i].num_key_value_heads for i in range(L)])
+    D, D_swa = c.per_layer_config[swa.index(False)].head_dim, c.per_layer_config[swa.index(True)].head_dim
+    w.add_key_length(D)
+    w.add_key_length_swa(D_swa)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_sliding_window(c.sliding_window)
+    w.add_sliding_window_pattern(swa)
+    w.add_shared_kv_layers(c.num_kv_shared_layers)
+    w.add_embedding_length_per_layer_input(c.hidden_size_per_layer_input)
+    w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(c.rope_parameters["sliding_attention"]["rope_theta"])
+    if c.final_logit_softcapping:
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
+    if c.enable_moe_block:
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.top_k_experts)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    n_rot = int(D * c.rope_parameters["full_attention"]["partial_rotary_factor"] / 2)
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * n_rot + [1e30] * (D // 2 - n_rot), np.float32))
+    for name, t in sd.items():
+        m = re.fullmatch(r"model\.layers\.(\d+)\.router\.(scale|per_expert_scale)", name)
+        if m:
+            part = "ffn_gate_inp" if m[2] == "scale" else "ffn_down_exps"
+            w.add_tensor(f"blk.{m[1]}.{part}.scale", np.ascontiguousarray(t))
+            continue
+        base, suffix = (name[: -len(".weight")], ".weight") if name.endswith(".weight") else (name, ".weight")
+        w.add_tensor(names.get_name(base) + suffix, np.ascontiguousarray(t))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_matches_transformers(tmp_path):
+    """A GGUF of a model with every switch on (PLE, shared KV with double-wide MLPs, k_eq_v, MoE, soft-capping,
+    untied head) as llama.cpp writes it loads to transformers' logits."""
+    hf = build_hf("e2b", seed=2, **VARIANTS["moe"])
+    write_gemma4_gguf(hf, tmp_path / "tiny.gguf")
+    model = jm.load(tmp_path / "tiny.gguf", tokenizer=False)
+    c = model.config
+    assert c.kv_source == (0, 1, 2, 3, 3, 2) and c.attention_k_eq_v and c.use_double_wide_mlp and c.num_experts == 4
+    assert c.rope_full.partial_rotary_factor == 0.25 and c.vocab_size_per_layer_input == 128
+    ids = np.random.default_rng(0).integers(0, 128, (B, T))
+    assert_close(model.logits(ids), hf_logits(hf, ids))
 
 
 # ------------------------------------------------------------------------------------- engine
