@@ -26,7 +26,7 @@ from flax import nnx
 import jaxspec
 import jaxspec.model as jm
 from conftest import randomize_
-from jaxspec.models.gemma4 import gemma4_config_from_dict
+from jaxspec.models.gemma4 import gemma4_config_from_dict, rope_inv_freq
 from jaxspec.sampling import SamplingParams
 from jaxspec.segment import Segment
 from jaxspec.testing import oracle_drafter
@@ -85,6 +85,22 @@ def assert_close(got, ref, err_msg=""):
     assert 1.0 < scale < 40.0  # logits at a scale where the tolerance means something
     err = np.abs(np.asarray(got) - ref).max()
     assert err <= RTOL * scale, f"{err_msg} max error {err:.2e} = {err / scale:.1e} of max |logit| {scale:.2f}"
+
+
+def test_rope_tables_match_transformers():
+    """Each layer type's inv_freq equals transformers' (proportional: a quarter of the pairs rotate, exponents
+    over the whole head_dim, divided by `factor`), at bases where a wrong exponent shows."""
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
+
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 5e4},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 2e6, "factor": 2.0}}
+    hf_cfg = transformers.AutoConfig.for_model("gemma4_text", **{**BASE, "rope_parameters": rope})
+    hf = Gemma4TextRotaryEmbedding(hf_cfg)
+    c = gemma4_config_from_dict({**BASE, "model_type": "gemma4_text", "rope_parameters": rope})
+    for layer_type, r, D in (("sliding_attention", c.rope_sliding, 16), ("full_attention", c.rope_full, 32)):
+        want = getattr(hf, f"{layer_type}_inv_freq").numpy()
+        np.testing.assert_allclose(rope_inv_freq(D, r), want, rtol=1e-6, atol=0)
+    assert (rope_inv_freq(32, c.rope_full) > 0).sum() == 4
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
