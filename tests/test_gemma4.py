@@ -93,7 +93,8 @@ def test_rope_tables_match_transformers():
     from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
 
     rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 5e4},
-            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 2e6, "factor": 2.0}}
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 2e6,
+                               "factor": 2.0}}
     hf_cfg = transformers.AutoConfig.for_model("gemma4_text", **{**BASE, "rope_parameters": rope})
     hf = Gemma4TextRotaryEmbedding(hf_cfg)
     c = gemma4_config_from_dict({**BASE, "model_type": "gemma4_text", "rope_parameters": rope})
@@ -191,7 +192,8 @@ def write_gemma4_gguf(hf, path):
     w.add_embedding_length(c.hidden_size)
     w.add_block_count(L)
     shared = L - c.num_kv_shared_layers
-    w.add_feed_forward_length([c.intermediate_size * (2 if c.use_double_wide_mlp and i >= shared else 1) for i in range(L)])
+    w.add_feed_forward_length([c.intermediate_size * (2 if c.use_double_wide_mlp and i >= shared else 1)
+                               for i in range(L)])
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv([c.per_layer_config[i].num_key_value_heads for i in range(L)])
     D, D_swa = c.per_layer_config[swa.index(False)].head_dim, c.per_layer_config[swa.index(True)].head_dim

@@ -187,8 +187,8 @@ def _gemma4_config(reader, g, n_vocab: int) -> dict:
     n_shared = int(g("attention.shared_kv_layers", 0))
     tensors = {t.name: t for t in reader.tensors}
     head_dim, global_head_dim = int(g("attention.key_length_swa")), int(g("attention.key_length"))
-    freqs = np.asarray(tensors["rope_freqs.weight"].data, np.float32).ravel() if "rope_freqs.weight" in tensors else None
-    partial = 2 * int((freqs == 1.0).sum()) / global_head_dim if freqs is not None else 1.0
+    freqs = tensors.get("rope_freqs.weight")
+    partial = 2 * int((np.asarray(freqs.data).ravel() == 1.0).sum()) / global_head_dim if freqs is not None else 1.0
     computing_full = [i for i in full if i < L - n_shared]
     ple = tensors.get("per_layer_token_embd.weight")
     n_experts = int(g("expert_count", 0) or 0)
@@ -199,7 +199,8 @@ def _gemma4_config(reader, g, n_vocab: int) -> dict:
         num_global_key_value_heads=kv[full[0]] if full else kv[0], head_dim=head_dim, global_head_dim=global_head_dim,
         attention_k_eq_v=bool(computing_full) and all(f"blk.{i}.attn_v.weight" not in tensors for i in computing_full),
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
-        max_position_embeddings=int(g("context_length", 131072)), sliding_window=int(g("attention.sliding_window", 512)),
+        max_position_embeddings=int(g("context_length", 131072)),
+        sliding_window=int(g("attention.sliding_window", 512)),
         layer_types=["sliding_attention" if s else "full_attention" for s in swa], num_kv_shared_layers=n_shared,
         hidden_size_per_layer_input=int(g("embedding_length_per_layer_input", 0) or 0),
         vocab_size_per_layer_input=int(ple.shape[-1]) if ple is not None else n_vocab,

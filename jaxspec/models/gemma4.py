@@ -114,7 +114,8 @@ def gemma4_config_from_dict(d: dict) -> Gemma4Config:
     """Parse a `gemma4_text` config dict, or a `gemma4` one (its text_config)."""
     model_type = d.get("model_type")
     if model_type not in GEMMA4_TYPES:
-        raise ConfigError(f"model_type {model_type!r} is not a Gemma 4 model; this family reads: {', '.join(GEMMA4_TYPES)}")
+        raise ConfigError(f"model_type {model_type!r} is not a Gemma 4 model; "
+                          f"this family reads: {', '.join(GEMMA4_TYPES)}")
     if model_type == "gemma4":
         text = dict(d.get("text_config") or {})
         if not text:
@@ -138,7 +139,8 @@ def gemma4_config_from_dict(d: dict) -> Gemma4Config:
         raise ConfigError("use_bidirectional_attention='all' makes a non-causal encoder; jaxspec decodes causal models")
     act = _ACTS.get(hf.hidden_activation)
     if act is None:
-        raise ConfigError(f"unsupported hidden_activation {hf.hidden_activation!r} for Gemma 4 (supported: gelu_pytorch_tanh)")
+        raise ConfigError(f"unsupported hidden_activation {hf.hidden_activation!r} for Gemma 4 "
+                          "(supported: gelu_pytorch_tanh)")
     L = hf.num_hidden_layers
     layer_types = tuple(hf.layer_types)
     if set(layer_types) - {"sliding_attention", "full_attention"}:
@@ -355,7 +357,8 @@ class Gemma4LM(nnx.Module):
     def __init__(self, cfg: Gemma4Config, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = cfg
         H, L, P = cfg.hidden_size, cfg.num_layers, cfg.hidden_size_per_layer_input
-        self.embed_tokens = param(jax.random.normal(rngs.params(), (cfg.vocab_size, H), dtype) * 0.02, ("vocab", "embed"))
+        self.embed_tokens = param(jax.random.normal(rngs.params(), (cfg.vocab_size, H), dtype) * 0.02,
+                                  ("vocab", "embed"))
         if P:
             self.embed_tokens_per_layer = param(
                 jax.random.normal(rngs.params(), (cfg.vocab_size_per_layer_input, L * P), dtype) * 0.02,
@@ -364,7 +367,8 @@ class Gemma4LM(nnx.Module):
             self.per_layer_projection_norm = RMSNorm(P, cfg.rms_norm_eps, axis="per_layer", dtype=dtype)
         self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(L)])
         self.norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(H, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else Linear(H, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs))
 
     def init_cache(self, batch: int, max_len: int) -> Cache:
         """One KV entry per layer that computes K/V (KV-shared layers read their source's), each of its
