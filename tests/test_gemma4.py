@@ -25,6 +25,7 @@ from flax import nnx
 
 import jaxspec
 import jaxspec.model as jm
+from jaxspec.config import ConfigError
 from conftest import randomize_
 from jaxspec.models.gemma4 import gemma4_config_from_dict, rope_inv_freq
 from jaxspec.sampling import SamplingParams
@@ -102,6 +103,21 @@ def test_rope_tables_match_transformers():
         want = getattr(hf, f"{layer_type}_inv_freq").numpy()
         np.testing.assert_allclose(rope_inv_freq(D, r), want, rtol=1e-6, atol=0)
     assert (rope_inv_freq(32, c.rope_full) > 0).sum() == 4
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(num_kv_shared_layers=6), "no layer that computes"),
+    (dict(use_bidirectional_attention="all"), "non-causal"),
+    (dict(hidden_activation="silu"), "hidden_activation"),
+    (dict(rope_parameters={"sliding_attention": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+                           "full_attention": {"rope_type": "default", "rope_theta": 1e6}}), "rope_type .linear."),
+    (dict(enable_moe_block=True), "enable_moe_block needs"),
+])
+def test_bad_configs(change, words):
+    with pytest.raises(ConfigError, match=words):
+        gemma4_config_from_dict({**BASE, "model_type": "gemma4_text", **change})
+    with pytest.raises(ConfigError, match="text_config"):
+        gemma4_config_from_dict({"model_type": "gemma4"})
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

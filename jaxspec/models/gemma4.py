@@ -145,7 +145,7 @@ def gemma4_config_from_dict(d: dict) -> Gemma4Config:
     layer_types = tuple(hf.layer_types)
     if set(layer_types) - {"sliding_attention", "full_attention"}:
         raise ConfigError(f"unknown layer_types {sorted(set(layer_types))} in config.json for {model_type}")
-    if "reuse" in modes and all(m == "reuse" for m in modes):
+    if all(m == "reuse" for m in modes):
         raise ConfigError(f"num_kv_shared_layers ({hf.num_kv_shared_layers}) leaves no layer that computes K/V")
     store = {layer_types[i]: i for i, m in enumerate(modes) if m == "store"}
     kv_source = tuple(store[t] if m == "reuse" else i for i, (t, m) in enumerate(zip(layer_types, modes)))
