@@ -12,7 +12,7 @@ Per device:
   * weights: each parameter's bytes / its shard count. Packed weights: a checkpoint's compressed-tensors INT4
     `quantization_config` packs the routed experts (Kimi K2: 4 bits + one bf16 scale per 32 inputs);
     `--quantize int8` (1 byte + a bf16 scale per output column) and `int4` (as compressed-tensors) pack every
-    projection kernel. These are estimates of the packed layout until the packed parameter (branch quant) lands;
+    projection kernel and the routed experts (not the embedding, the LM head, norms or routers). These are estimates of the packed layout until the packed parameter (branch quant) lands;
     today jaxspec dequantises on load.
   * caches: init_cache(batch, max_len) as jaxspec allocates it (sliding-window layers keep the full length).
   * verify scratch for N = 1 + budget tree nodes, an estimate of what one verify forward holds at its peak:
@@ -117,7 +117,7 @@ def plan(config: dict, *, tp: int = 8, budget: int = 64, max_len: int = 32768, b
     cache_bytes = sum(_nbytes(x.shape, x.dtype) // _shards(layout, tuple(s), x.shape)
                       for s, x in zip(specs, jax.tree.leaves(cache), strict=True))
     return Plan(name, tp, budget, max_len, batch, weights, cache_bytes,
-                verify_scratch(cfg, tp, budget, max_len, batch, np.dtype(DTYPES[dtype]).itemsize),
+                sum(verify_scratch(cfg, tp, budget, max_len, batch, np.dtype(DTYPES[dtype]).itemsize).values()),
                 int(hbm_gib * GIB), packing)
 
 
@@ -128,22 +128,24 @@ def _abstract_module(config_json: str, dtype: str) -> nnx.Module:
     return nnx.eval_shape(lambda: family_of(cfg.model_type).module(cfg, dtype=DTYPES[dtype], rngs=nnx.Rngs(0)))
 
 
-def verify_scratch(cfg, tp: int, budget: int, max_len: int, batch: int, itemsize: int) -> int:
-    """The estimate of the module docstring, in bytes per device."""
+def verify_scratch(cfg, tp: int, budget: int, max_len: int, batch: int, itemsize: int) -> dict[str, int]:
+    """The estimate of the module docstring, bytes per device by part: logits, one layer, GDN."""
     N, B, H, V = 1 + budget, batch, cfg.hidden_size, cfg.vocab_size
     heads = getattr(cfg, "num_heads", 1)
     ffn = max(getattr(cfg, "intermediate_size", 0) or 0, getattr(cfg, "moe_intermediate_size", 0) or 0)
-    logits = B * N * V * 4
-    layer = B * N * H * itemsize * 4 + B * N * -(-ffn // tp) * itemsize * 3 + B * -(-heads // tp) * N * (max_len + N) * 4
-    gdn = 0
+    parts = {"logits": B * N * V * 4,  # [B, N, V] float32
+             "layer": (B * N * H * itemsize * 4  # hidden [B, N, H] x 4
+                       + B * N * -(-ffn // tp) * itemsize * 3  # MLP [B, N, F / tp] x 3
+                       + B * -(-heads // tp) * N * (max_len + N) * 4),  # scores [B, heads / tp, N, max_len + N]
+             "gdn": 0}
     n_gdn = sum(t == "linear_attention" for t in getattr(cfg, "layer_types", ()))
     if n_gdn:
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        conv = 2 * hk * dk + hv * dv
-        kept = B * N * (hk * dk * 4 + hv * dv * 4 + hv * 4 + conv * itemsize)
-        gdn = n_gdn * kept // tp + 4 * B * N * N * -(-hv // tp) * 4
-    return logits + layer + gdn
+        conv = 2 * hk * dk + hv * dv  # conv channels [q | k | v]
+        kept = B * N * (hk * dk * 4 + hv * dv * 4 + hv * 4 + conv * itemsize)  # k, u, decay, conv input per layer
+        parts["gdn"] = n_gdn * kept // tp + 4 * B * N * N * -(-hv // tp) * 4  # + four [N, N, Hv / tp] float32
+    return parts
 
 
 def _quantization_config(config: dict) -> dict | None:
@@ -161,7 +163,9 @@ def _packed_bytes(key: str, shape, dtype, group: int | None, quantize: str | Non
     """Bytes of one parameter as stored: packed int4 (+ a bf16 scale per group of inputs) or int8 (+ a bf16 scale
     per output column) for the parameters that would be packed, its dtype otherwise. A kernel is [..., in, out]."""
     n = int(np.prod(shape))
-    packed = (quantize and key.endswith("kernel") and len(shape) >= 2) or (group and ".experts." in key)
+    routed = ".experts." in key  # stacked routed experts [E, in, out]; shared experts and routers are not
+    projection = len(shape) >= 2 and (key.endswith("kernel") or routed) and not key.startswith("lm_head")
+    packed = (quantize and projection) or (group and routed)
     if not packed:
         return _nbytes(shape, dtype)
     if quantize == "int8":
