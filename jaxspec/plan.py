@@ -187,7 +187,7 @@ def table(plans: list[Plan]) -> str:
     """A Markdown table, GiB per device."""
     rows = ["| model | tp | packing | weights | caches | verify scratch | total | HBM | fits |",
             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
-    g = lambda b: f"{b / GIB:.1f}"  # noqa: E731
+    g = lambda b: f"{b / GIB:.2f}"  # noqa: E731
     for p in plans:
         rows.append(f"| {p.model} | {p.tp} | {p.packing} | {g(p.weights)} | {g(p.cache)} | {g(p.scratch)} | "
                     f"{g(p.total)} | {g(p.hbm)} | {'yes' if p.fits else 'no'} |")
