@@ -36,8 +36,8 @@ from jaxspec.models.registry import config_from_dict, family_of
 _TOKENIZER_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                     "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
                     "chat_template.json")
-# Orbax chunks each array into pieces of at most this many bytes, so tensorstore encodes and writes one piece
-# at a time instead of a second copy of the whole tensor.
+# Orbax stores each array in chunks of at most this many bytes, so a restore into a mesh reads only the chunks
+# under each device's shard rather than whole parameters.
 CHUNK_BYTES = 8 << 20
 
 
