@@ -63,6 +63,39 @@ def test_gguf_round_trip_bfloat16(tiny_hf, tmp_path):
     np.testing.assert_array_equal(restored.logits(IDS), direct.logits(IDS))
 
 
+def test_compressed_tensors_int4_round_trip(tmp_path):
+    """Kimi-shaped INT4 experts (compressed-tensors pack-quantized) are dequantised once, by the converter: the
+    converted model equals loading the INT4 checkpoint directly, and its config no longer claims INT4."""
+    from safetensors.numpy import save_file
+    from test_compressed_tensors import QUANT, pack_int4, quantize
+    from test_deepseek import build_hf
+
+    build_hf("kimi").save_pretrained(tmp_path / "hf")
+    src = tmp_path / "int4"
+    src.mkdir()
+    packed = {}
+    for name, w in _tensors(tmp_path / "hf").items():
+        if ".mlp.experts." not in name:
+            packed[name] = w
+            continue
+        q, scale = quantize(w)
+        p = name.removesuffix(".weight")
+        packed.update({f"{p}.weight_packed": pack_int4(q), f"{p}.weight_scale": scale,
+                       f"{p}.weight_shape": np.asarray(w.shape, np.int64)})
+    save_file(packed, str(src / "model.safetensors"))
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "quantization_config": QUANT}))
+    out = convert(src, tmp_path / "out", "float32", progress=False)
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    np.testing.assert_array_equal(jaxspec.load(out).logits(IDS), jaxspec.load(src, tokenizer=False).logits(IDS))
+
+
+def _tensors(model_dir):
+    from jaxspec.checkpoint import read_safetensors
+
+    return dict(read_safetensors(model_dir))
+
+
 def test_force_replaces_out(sharded, tmp_path, capfd):
     out = tmp_path / "out"
     out.mkdir()
