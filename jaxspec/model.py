@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 
 from jaxspec.checkpoint import WeightsError, load_params, read_gguf, read_safetensors
 from jaxspec.checkpoint.compressed_tensors import maybe_dequantize
+from jaxspec.checkpoint.orbax import is_converted, restore_params
 from jaxspec.config import ConfigError, TargetConfig
 from jaxspec.models.registry import Family, config_from_dict, family_of, load_config
 from jaxspec.segment import Segment
@@ -100,7 +101,8 @@ def random_model(config: TargetConfig, *, seed: int = 0, dtype="float32", tokeni
 
 
 def load(path, dtype="float32", *, mesh: Mesh | None = None, tokenizer: bool = True) -> Model:
-    """Load a target from a HF directory (config.json + safetensors [+ index]) or a .gguf file.
+    """Load a target from a HF directory (config.json + safetensors [+ index]), a .gguf file, or a directory
+    converted by `python -m checkpoints_convert` (Orbax parameters).
 
     mesh (jaxspec.make_mesh): each tensor goes straight into its shards as it is read."""
     path = Path(path)
@@ -113,6 +115,12 @@ def load(path, dtype="float32", *, mesh: Mesh | None = None, tokenizer: bool = T
         layout = _layout(cfg, mesh)
         module = _build(cfg, tensors, dt, layout)
         tok = _tokenizer(path.parent, gguf_file=path.name) if tokenizer else None
+    elif path.is_dir() and is_converted(path):  # python -m checkpoints_convert: Orbax, restored into the shards
+        cfg = load_config(path)
+        layout = _layout(cfg, mesh)
+        ctor = lambda: family_of(cfg.model_type).module(cfg, dtype=dt, rngs=nnx.Rngs(0))  # noqa: E731
+        module = restore_params(ctor, path, lambda var: _sharding(layout, var))
+        tok = _tokenizer(path) if tokenizer else None
     elif path.is_dir():
         cfg = load_config(path)
         layout = _layout(cfg, mesh)
@@ -127,11 +135,18 @@ def _layout(cfg: TargetConfig, mesh: Mesh | None) -> Layout | None:
     return None if mesh is None else Layout.of(family_of(cfg.model_type).name, mesh)
 
 
+def _sharding(layout: Layout | None, var: nnx.Variable) -> jax.sharding.Sharding:
+    """Where a parameter lives: its shards on the layout's mesh, or the default device."""
+    if layout is None:
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return layout.sharding(var.get_metadata()["out_sharding"], var.shape)
+
+
 def _build(cfg: TargetConfig, tensors, dtype, layout: Layout | None = None) -> nnx.Module:
     """The family's module for `cfg`, filled from `tensors` through the family's name table (straight into
     each parameter's shards when there is a layout)."""
     family = family_of(cfg.model_type)
-    put = None if layout is None else (lambda arr, var: place(arr, layout.sharding(var.get_metadata()["out_sharding"], arr.shape)))
+    put = None if layout is None else (lambda arr, var, path: place(arr, layout.sharding(var.get_metadata()["out_sharding"], arr.shape)))
     return load_params(lambda: family.module(cfg, dtype=dtype, rngs=nnx.Rngs(0)), tensors, family.hf_rules, place=put)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -49,16 +49,17 @@ class Rule:
 
 def load_params(module_ctor: Callable[[], nnx.Module], tensors: Iterable[tuple[str, np.ndarray]],
                 rules: Iterable[Rule], *, what: str = "checkpoint",
-                place: Callable[[np.ndarray, nnx.Variable], jax.Array] | None = None) -> nnx.Module:
+                place: Callable[[np.ndarray, nnx.Variable, str], Any] | None = None) -> nnx.Module:
     """Build `module_ctor()` abstractly and fill every parameter from `tensors` through the first matching rule.
 
     Each tensor is cast once, straight to its parameter's dtype; a non-floating parameter (packed INT4/INT8)
     takes a tensor of exactly its dtype, untouched. Raises WeightsError on a name no rule maps, a shape or
     dtype that does not fit, a parameter filled twice, and on any parameter (or stacked slice) left empty.
-    `what` names the source in the messages ("drafter checkpoint"). `place(host_array, variable)` puts a
-    complete parameter (already cast) on device, e.g. straight into its shards on a mesh; default: device 0.
+    `what` names the source in the messages ("drafter checkpoint"). `place(host_array, variable, path)` takes
+    each complete parameter (already cast) and returns what the module keeps: a device array (default: on
+    device 0), straight into its shards on a mesh, or, for a converter that writes it out, its abstract shape.
     """
-    place = place or (lambda arr, var: jnp.asarray(arr))
+    place = place or (lambda arr, var, path: jnp.asarray(arr))
     graphdef, state = nnx.split(nnx.eval_shape(module_ctor))
     flat = dict(nnx.to_flat_state(state))
     by_path = {".".join(str(p) for p in k): k for k in flat}
@@ -84,7 +85,8 @@ def load_params(module_ctor: Callable[[], nnx.Module], tensors: Iterable[tuple[s
         if rule.stack is None:
             _check_shape(name, arr.shape, var.shape)
             _fill_once(filled, path, name)
-            var.set_value(place(np.asarray(arr, dtype=var.dtype), var))
+            var.set_value(place(np.asarray(arr, dtype=var.dtype), var, path))
+            del arr  # before the reader allocates the next tensor: one checkpoint tensor alive at a time
             continue
         e, E = int(m.group(rule.stack + 1)), var.shape[0]
         _check_shape(name, arr.shape, var.shape[1:])
@@ -96,9 +98,10 @@ def load_params(module_ctor: Callable[[], nnx.Module], tensors: Iterable[tuple[s
             stacks[path] = [np.empty(var.shape, var.dtype), 0]
         stack = stacks[path]
         stack[0][e] = arr  # the one cast, straight into the parameter's dtype
+        del arr
         stack[1] += 1
         if stack[1] == E:
-            var.set_value(place(stacks.pop(path)[0], var))
+            var.set_value(place(stacks.pop(path)[0], var, path))
             filled[path] = name
 
     missing = []

@@ -245,6 +245,8 @@ def read_gguf(path: Path) -> tuple[dict, Iterator[tuple[str, np.ndarray]]]:
                 arr = gguf.quants.dequantize(t.data, t.tensor_type)
             except NotImplementedError as e:
                 raise WeightsError(f"GGUF tensor {t.name} uses {t.tensor_type.name}, which gguf cannot dequantise") from e
-            yield hf, arch.fix(t.name, arr, cfg)
+            arr = arch.fix(t.name, arr, cfg)
+            yield hf, arr
+            del arr  # before the next tensor is dequantised: one tensor alive at a time
 
     return cfg, tensors()
