@@ -39,7 +39,8 @@ class Drafter:
         graphdef, params = nnx.split(module)
         if model is None or model.layout is None:
             return Drafter(module.config, graphdef, params)
-        layout = Layout.of("drafter", model.layout.mesh)
+        c = module.config
+        layout = Layout.of("drafter", model.layout.mesh, {"q_heads": c.num_heads, "kv_heads": c.num_kv_heads})
         return Drafter(module.config, graphdef, layout.place_params(params), layout)
 
     def save(self, path, dtype: str = "float32") -> None:

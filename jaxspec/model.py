@@ -17,6 +17,7 @@ from jaxspec.checkpoint.compressed_tensors import maybe_dequantize
 from jaxspec.checkpoint.orbax import is_converted, restore_params
 from jaxspec.config import ConfigError, TargetConfig
 from jaxspec.models.registry import Family, config_from_dict, family_of, load_config
+from jaxspec.models.registry import layout as registry_layout
 from jaxspec.segment import Segment
 from jaxspec.sharding import Layout, place
 
@@ -75,7 +76,7 @@ class Model:
 
     def on_mesh(self, mesh: Mesh) -> "Model":
         """The same model with its parameters sharded over `mesh` (jaxspec.make_mesh) by its family's rules."""
-        layout = Layout.of(self.family.name, mesh)
+        layout = registry_layout(self.config, mesh)
         return replace(self, params=layout.place_params(self.params), layout=layout)
 
     @staticmethod
@@ -132,7 +133,7 @@ def load(path, dtype="float32", *, mesh: Mesh | None = None, tokenizer: bool = T
 
 
 def _layout(cfg: TargetConfig, mesh: Mesh | None) -> Layout | None:
-    return None if mesh is None else Layout.of(family_of(cfg.model_type).name, mesh)
+    return None if mesh is None else registry_layout(cfg, mesh)
 
 
 def _sharding(layout: Layout | None, var: nnx.Variable) -> jax.sharding.Sharding:

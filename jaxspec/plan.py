@@ -42,6 +42,7 @@ from jaxspec.checkpoint.compressed_tensors import pack_quantized_group_size
 from jaxspec.config import ConfigError
 from jaxspec.model import DTYPES
 from jaxspec.models.registry import config_from_dict, family_of
+from jaxspec.models.registry import layout as registry_layout
 from jaxspec.sharding import MESH_AXES, Layout
 
 GIB = 1 << 30
@@ -101,7 +102,7 @@ def plan(config: dict, *, tp: int = 8, budget: int = 64, max_len: int = 32768, b
         raise ValueError(f"unsupported --quantize {quantize!r}; use int8 or int4")
     cfg = config_from_dict(config)
     family = family_of(cfg.model_type)
-    layout = Layout.of(family.name, AbstractMesh((1, tp), MESH_AXES, axis_types=(AxisType.Auto,) * 2))
+    layout = registry_layout(cfg, AbstractMesh((1, tp), MESH_AXES, axis_types=(AxisType.Auto,) * 2))
     shape_only = {k: v for k, v in config.items() if k != "quantization_config"}  # packing is counted here
     module = _abstract_module(json.dumps(shape_only, sort_keys=True), dtype)
     group = pack_quantized_group_size(_quantization_config(config))

@@ -7,9 +7,11 @@ Every parameter and cache buffer names a logical axis per dimension (models/laye
     device holds E / tp whole experts); GDN value heads, key heads and conv channels.
   * "dp" (data parallel): the batch of every cache buffer.
 
-A dimension stays replicated when its size does not divide by the mesh axis (a model with 2 KV heads on
-tp = 8 keeps K/V whole on every device: correct, only bigger), and a mesh axis shards at most one dimension
-of an array (stacked experts [E, in, out] are split by expert, not also by ffn).
+A dimension stays replicated when its size, or its number of heads, does not divide by the mesh axis: a
+projection [embed, kv_heads * head_dim] is split between heads, never inside one, so a model with 4 KV heads
+on tp = 8 keeps K/V whole on every device (correct, only bigger, and no resharding between the projection
+and the cache). A mesh axis shards at most one dimension of an array (stacked experts [E, in, out] are split
+by expert, not also by ffn).
 
 The MLA latent cache ([batch, seq, kv_lora_rank + rope dims]) is sharded by batch and replicated over tp:
 absorbed attention reads the whole latent row for every head, so splitting it by head is impossible and
@@ -64,21 +66,23 @@ class Layout:
 
     mesh: Mesh
     rules: tuple[tuple[str, str | None], ...]
+    heads: tuple[tuple[str, int], ...] = ()  # logical axis -> heads along it (a head is never split)
 
     @staticmethod
-    def of(family: str, mesh: Mesh) -> "Layout":
+    def of(family: str, mesh: Mesh, heads: Mapping[str, int] | None = None) -> "Layout":
+        """family: a RULES key; heads: e.g. {"q_heads": 32, "kv_heads": 8} (the family's `head_counts`)."""
         if family not in RULES:
             raise ValueError(f"no sharding rules for family {family!r}; add a table to jaxspec/sharding.py RULES")
-        return Layout(mesh, tuple(sorted(RULES[family].items())))
+        return Layout(mesh, tuple(sorted(RULES[family].items())), tuple(sorted((heads or {}).items())))
 
     def spec(self, axes, shape) -> PartitionSpec:
         """Logical axes (one per dimension) of an array of `shape` -> its mesh PartitionSpec."""
-        rules, used, out = dict(self.rules), set(), []
+        rules, heads, used, out = dict(self.rules), dict(self.heads), set(), []
         for axis, size in zip(axes, shape, strict=True):
             if axis not in rules:
                 raise ValueError(f"logical axis {axis!r} has no rule in this family's sharding table")
             m = rules[axis]
-            if m is None or m in used or size % self.mesh.shape[m]:
+            if m is None or m in used or size % self.mesh.shape[m] or heads.get(axis, size) % self.mesh.shape[m]:
                 out.append(None)
             else:
                 used.add(m)

@@ -39,7 +39,7 @@ TARGETS = {
         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})),
     # full layers: 2 KV heads of 16 (k_eq_v), replicated at tp = 4 and 8; layer 3 reads layer 1's K/V; PLE; MoE
     "gemma4": lambda: gemma4_config_from_dict(dict(
-        BASE, model_type="gemma4_text", num_hidden_layers=4, global_head_dim=16, num_global_key_value_heads=2,
+        BASE, model_type="gemma4_text", num_hidden_layers=4, global_head_dim=16, num_global_key_value_heads=4,
         attention_k_eq_v=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
         num_kv_shared_layers=1, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
         enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=16,
@@ -106,6 +106,9 @@ def test_layout_rules():
     assert lay.spec(("batch", "kv_heads", "seq", "head_dim"), (2, 2, 16, 8)) == P("dp", None, None, None)  # 2 % 4
     assert lay.spec(("experts", "embed", "ffn"), (8, 64, 32)) == P("tp", None, None)  # tp used once per array
     assert lay.spec(("batch", "seq", "latent"), (2, 16, 24)) == P("dp", None, None)
+    heads = Layout.of("dense", mesh, {"q_heads": 8, "kv_heads": 2})  # 2 KV heads of 8 dims: 16 columns
+    assert heads.spec(("embed", "kv_heads"), (64, 16)) == P(None, None)  # 16 % 4 == 0, but a head is never cut
+    assert heads.spec(("embed", "q_heads"), (64, 64)) == P(None, "tp")
     with pytest.raises(ValueError, match="gdn_heads"):
         lay.spec(("gdn_heads",), (8,))
     with pytest.raises(ValueError, match="no sharding rules"):
