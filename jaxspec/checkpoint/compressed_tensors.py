@@ -18,6 +18,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from jaxspec.checkpoint.core import WeightsError
+from jaxspec.checkpoint.fp8 import dequantize_fp8_blocks, fp8_block_size
 
 _PARTS = ("weight_packed", "weight_scale", "weight_shape")
 
@@ -81,7 +82,10 @@ def dequantize_pack_quantized(tensors: Iterable[tuple[str, np.ndarray]], group_s
 
 
 def maybe_dequantize(model_dir: Path, tensors: Iterable[tuple[str, np.ndarray]]) -> Iterable[tuple[str, np.ndarray]]:
-    """The tensor stream of a HF directory, dequantised if its config.json says pack-quantized."""
+    """The tensor stream of a HF directory, dequantised if its config.json says pack-quantized or fp8."""
     d = json.loads((Path(model_dir) / "config.json").read_text())
+    block = fp8_block_size(d.get("quantization_config"))
+    if block is not None:
+        return dequantize_fp8_blocks(tensors, block)
     group_size = pack_quantized_group_size(d.get("quantization_config"))
     return tensors if group_size is None else dequantize_pack_quantized(tensors, group_size)
