@@ -1,7 +1,8 @@
 """jaxspec: lossless speculative decoding (DFlash drafter + DDTree verification) in JAX."""
 from jaxspec.api import GenerationResult, generate
 from jaxspec.drafter import Drafter, init_drafter, load_drafter
-from jaxspec.model import Model, load, random_model
+from jaxspec.model import Model, load, quantize_model, random_model
 
-__all__ = ["load", "load_drafter", "init_drafter", "generate", "GenerationResult", "Model", "Drafter", "random_model"]
+__all__ = ["load", "load_drafter", "init_drafter", "generate", "GenerationResult", "Model", "Drafter", "random_model",
+           "quantize_model"]
 __version__ = "0.1.0"

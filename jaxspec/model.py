@@ -1,6 +1,7 @@
 """The user-facing model handle and `jaxspec.load`."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,9 @@ from flax import nnx
 
 from jaxspec.checkpoint import WeightsError, load_params, read_gguf, read_safetensors
 from jaxspec.checkpoint.compressed_tensors import maybe_dequantize
+from jaxspec.checkpoint.core import rule_target
+from jaxspec.checkpoint.gguf import native_schemes
+from jaxspec.models import quant
 from jaxspec.config import ConfigError, TargetConfig
 from jaxspec.models.registry import Family, config_from_dict, family_of, load_config
 from jaxspec.segment import Segment
@@ -48,7 +52,7 @@ class Model:
 
     @property
     def dtype(self):
-        return self.params["embed_tokens"][...].dtype
+        return self.module.embed_tokens.dtype
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -90,30 +94,80 @@ def random_model(config: TargetConfig, *, seed: int = 0, dtype="float32", tokeni
     return Model.from_module(module, tokenizer, source="random")
 
 
-def load(path, dtype="float32", *, tokenizer: bool = True) -> Model:
-    """Load a target from a HF directory (config.json + safetensors [+ index]) or a .gguf file."""
+def load(path, dtype="float32", *, tokenizer: bool = True, quantize: str | None = None) -> Model:
+    """Load a target from a HF directory (config.json + safetensors [+ index]) or a .gguf file.
+
+    quantize: None keeps every weight float (`dtype`); "int8" (one scale per output channel) and "int4" (one
+    scale per 32 inputs), both round-to-nearest symmetric, pack every projection, the stacked experts and the
+    token embedding (tied LM head) as they load; routers and norms stay float. "native" keeps a GGUF's
+    Q4_0 / Q4_1 / Q8_0 tensors as stored (other GGUF types load as float). See jaxspec/models/quant.py.
+    """
+    quant.check_quantize(quantize)
     path = Path(path)
     dt = parse_dtype(dtype)
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist; pass a HF model directory or a .gguf file")
     if path.is_file() and path.suffix == ".gguf":
-        hf_cfg, tensors = read_gguf(path)
+        hf_cfg, tensors = read_gguf(path, native=quantize == "native")
         cfg = config_from_dict(hf_cfg)
-        module = _build(cfg, tensors, dt)
+        native = native_schemes(path) if quantize == "native" else {}
+        module = _build(cfg, tensors, dt, quantize, native)
         tok = _tokenizer(path.parent, gguf_file=path.name) if tokenizer else None
     elif path.is_dir():
+        if quantize == "native":
+            raise ValueError(f"quantize='native' keeps a GGUF file's own packing, and {path} is a directory; "
+                             "use quantize='int8' or 'int4'")
         cfg = load_config(path)
-        module = _build(cfg, maybe_dequantize(path, read_safetensors(path)), dt)
+        module = _build(cfg, maybe_dequantize(path, read_safetensors(path)), dt, quantize, {})
         tok = _tokenizer(path) if tokenizer else None
     else:
         raise ConfigError(f"{path} is neither a model directory nor a .gguf file")
     return Model.from_module(module, tok, source=str(path))
 
 
-def _build(cfg: TargetConfig, tensors, dtype) -> nnx.Module:
-    """The family's module for `cfg`, filled from `tensors` through the family's name table."""
+def quantize_model(model: Model, quantize: str) -> Model:
+    """A copy of a float `model` with its weights packed on the fly ("int8" or "int4", as in `load`)."""
+    quant.check_quantize(quantize)
+    if quantize not in ("int8", "int4"):
+        raise ValueError(f"quantize_model packs float weights: use 'int8' or 'int4', not {quantize!r}")
+    module = model.module
+    module = quant.pack_module(module, quant.linear_plan(module, _scheme(quantize)), fill=True)
+    return Model.from_module(module, model.tokenizer, source=f"{model.source} ({quantize})")
+
+
+def _scheme(quantize: str) -> quant.Scheme:
+    return quant.Scheme(8, None) if quantize == "int8" else quant.Scheme(4, quant.INT4_GROUP)
+
+
+def _build(cfg: TargetConfig, tensors, dtype, quantize: str | None, native: dict) -> nnx.Module:
+    """The family's module for `cfg` (with packed parameters where `quantize` asks), filled from `tensors`
+    through the family's name table. native: HF tensor name -> Scheme of the tensors that arrive packed."""
     family = family_of(cfg.model_type)
-    return load_params(lambda: family.module(cfg, dtype=dtype, rngs=nnx.Rngs(0)), tensors, family.hf_rules)
+    if quantize == "native":
+        plan = {}
+        for name, scheme in native.items():
+            target = rule_target(name, family.hf_rules)
+            if target is not None:  # an embedding table is [out, in] already; a Linear kernel is transposed
+                plan[target] = scheme if target.endswith(".kernel") else dataclasses.replace(scheme, transposed=False)
+        plans = lambda m: plan  # noqa: E731
+    elif quantize is not None:
+        plans = lambda m: quant.linear_plan(m, _scheme(quantize))  # noqa: E731
+    else:
+        plans = lambda m: {}  # noqa: E731
+
+    made: dict[str, quant.Scheme] = {}  # the plan of the module built, for packing float tensors
+
+    def ctor():
+        m = family.module(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+        made.update(plans(m))
+        return quant.pack_module(m, made)
+
+    def pack(path: str, w: np.ndarray) -> quant.PackedTensor:
+        """A float tensor (after its rule's transform) for packed parameter `path`, quantised to its scheme."""
+        scheme = made[path]
+        return quant.quantize(np.swapaxes(w, -1, -2) if scheme.transposed else w, scheme)
+
+    return load_params(ctor, tensors, family.hf_rules, pack=pack)
 
 
 def _tokenizer(model_dir: Path, gguf_file: str | None = None):
@@ -137,4 +191,4 @@ def _tokenizer(model_dir: Path, gguf_file: str | None = None):
         raise WeightsError(f"cannot load the tokenizer from {model_dir}: {e}") from e
 
 
-__all__ = ["Model", "load", "random_model", "WeightsError", "ConfigError"]
+__all__ = ["Model", "load", "quantize_model", "random_model", "WeightsError", "ConfigError"]
