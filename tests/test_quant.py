@@ -40,9 +40,11 @@ def test_packed_matmul_equals_dequantize_then_matmul(name, rows):
     np.testing.assert_allclose(np.asarray(got), x @ pt.dequantize().T, rtol=1e-5, atol=1e-5)
 
 
-def test_single_row_matmul_reads_codes_without_a_float_weight():
-    """XLA fuses the dequantisation into the batch-1 product: no float [out, in] buffer in the compiled HLO."""
-    p, _ = packed_weight(SCHEMES["int4-g32-offset"], out=96, cols=128)
+@pytest.mark.parametrize("name", ["int8-channel", "int4-g32-offset"])
+def test_single_row_matmul_reads_codes_without_a_float_weight(name):
+    """The batch-1 product never builds a float [out, in] weight: group scales are fused into one loop over the
+    codes, per-channel int8 runs as an int8 dot; checked in the compiled HLO."""
+    p, _ = packed_weight(SCHEMES[name], out=96, cols=128)
     hlo = jax.jit(quant.matmul).lower(jnp.ones((1, 1, 128)), p).compile().as_text()
     entry = hlo.split("ENTRY")[1]
     assert not re.search(r"= f32\[(96,128|128,96)\]", entry), entry
