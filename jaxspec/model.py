@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from jaxspec.checkpoint import WeightsError, load_params, read_gguf, read_safetensors
-from jaxspec.checkpoint.compressed_tensors import maybe_dequantize
+from jaxspec.checkpoint.compressed_tensors import maybe_dequantize, packed_schemes
 from jaxspec.checkpoint.core import rule_target
 from jaxspec.checkpoint.gguf import native_schemes
 from jaxspec.models import quant
@@ -100,7 +100,9 @@ def load(path, dtype="float32", *, tokenizer: bool = True, quantize: str | None 
     quantize: None keeps every weight float (`dtype`); "int8" (one scale per output channel) and "int4" (one
     scale per 32 inputs), both round-to-nearest symmetric, pack every projection, the stacked experts and the
     token embedding (tied LM head) as they load; routers and norms stay float. "native" keeps a GGUF's
-    Q4_0 / Q4_1 / Q8_0 tensors as stored (other GGUF types load as float). See jaxspec/models/quant.py.
+    Q4_0 / Q4_1 / Q8_0 tensors as stored (other GGUF types load as float). A compressed-tensors INT4
+    checkpoint (Kimi) keeps its packed weights as stored under any `quantize`, and dequantises them under
+    None. See jaxspec/models/quant.py.
     """
     quant.check_quantize(quantize)
     path = Path(path)
@@ -114,11 +116,13 @@ def load(path, dtype="float32", *, tokenizer: bool = True, quantize: str | None 
         module = _build(cfg, tensors, dt, quantize, native)
         tok = _tokenizer(path.parent, gguf_file=path.name) if tokenizer else None
     elif path.is_dir():
-        if quantize == "native":
-            raise ValueError(f"quantize='native' keeps a GGUF file's own packing, and {path} is a directory; "
-                             "use quantize='int8' or 'int4'")
         cfg = load_config(path)
-        module = _build(cfg, maybe_dequantize(path, read_safetensors(path)), dt, quantize, {})
+        stored = packed_schemes(path) if quantize is not None else {}
+        if quantize == "native" and not stored:
+            raise ValueError(f"quantize='native' keeps a checkpoint's own packing, and {path} has none "
+                             "(no pack-quantized quantization_config); use quantize='int8' or 'int4'")
+        tensors = maybe_dequantize(path, read_safetensors(path), keep_packed=quantize is not None)
+        module = _build(cfg, tensors, dt, quantize, stored)
         tok = _tokenizer(path) if tokenizer else None
     else:
         raise ConfigError(f"{path} is neither a model directory nor a .gguf file")
@@ -141,19 +145,18 @@ def _scheme(quantize: str) -> quant.Scheme:
 
 def _build(cfg: TargetConfig, tensors, dtype, quantize: str | None, native: dict) -> nnx.Module:
     """The family's module for `cfg` (with packed parameters where `quantize` asks), filled from `tensors`
-    through the family's name table. native: HF tensor name -> Scheme of the tensors that arrive packed."""
+    through the family's name table. native: HF tensor name -> Scheme of the tensors that arrive packed
+    (they keep their own packing; with int8 / int4 the other weights are quantised on the fly)."""
     family = family_of(cfg.model_type)
-    if quantize == "native":
-        plan = {}
-        for name, scheme in native.items():
-            target = rule_target(name, family.hf_rules)
-            if target is not None:  # an embedding table is [out, in] already; a Linear kernel is transposed
-                plan[target] = scheme if target.endswith(".kernel") else dataclasses.replace(scheme, transposed=False)
-        plans = lambda m: plan  # noqa: E731
-    elif quantize is not None:
-        plans = lambda m: quant.linear_plan(m, _scheme(quantize))  # noqa: E731
+    stored = {}
+    for name, scheme in native.items():
+        target = rule_target(name, family.hf_rules)
+        if target is not None:  # an embedding table is [out, in] already; kernels and stacked experts are transposed
+            stored[target] = dataclasses.replace(scheme, transposed=target != "embed_tokens")
+    if quantize in ("int8", "int4"):
+        plans = lambda m: quant.linear_plan(m, _scheme(quantize)) | stored  # noqa: E731
     else:
-        plans = lambda m: {}  # noqa: E731
+        plans = lambda m: stored  # noqa: E731
 
     made: dict[str, quant.Scheme] = {}  # the plan of the module built, for packing float tensors
 
