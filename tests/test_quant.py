@@ -50,6 +50,23 @@ def test_single_row_matmul_reads_codes_without_a_float_weight(name):
     assert not re.search(r"= f32\[(96,128|128,96)\]", entry), entry
 
 
+def unfused_instructions(hlo: str) -> str:
+    """The HLO text of every computation that is not a fusion body (ENTRY, while bodies, ...): an array typed
+    there is a real buffer."""
+    comps = hlo.split("\n\n")
+    return "\n".join(c for c in comps if not re.match(r"\s*%(fused_computation|wrapped_)", c))
+
+
+def test_decode_loop_keeps_the_dequantisation_inside():
+    """In a while loop the packed weight is loop-invariant; its int8 -> float conversion must not be hoisted
+    out (that materialises the float weight once and runs a slower loop inside)."""
+    p, _ = packed_weight(SCHEMES["int4-g32-offset"], out=128, cols=128)
+    step = lambda i, x: x + quant.matmul(x, p)  # noqa: E731
+    hlo = jax.jit(lambda x: jax.lax.fori_loop(0, 4, step, x)).lower(jnp.ones((1, 1, 128))).compile().as_text()
+    assert "while" in hlo
+    assert not re.search(r"= f32\[128,128\]", unfused_instructions(hlo))
+
+
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
 def test_gguf_repack_equals_gguf_dequantize(type_name):
     gguf = pytest.importorskip("gguf")
