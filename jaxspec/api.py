@@ -14,6 +14,7 @@ from jaxspec import engine
 from jaxspec.drafter import Drafter, check_fits
 from jaxspec.model import Model
 from jaxspec.sampling import SamplingParams
+from jaxspec.sharding import to_host
 from pallas_kernels.kv_commit import effective_impl
 
 METHODS = ("ar", "dflash", "ddtree")
@@ -111,6 +112,9 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
                                   or chunk_tokens < 1):
         raise ValueError(f"chunk_tokens must be a positive integer when streaming, got {chunk_tokens!r}")
     kv_commit = effective_impl(kv_impl)
+    if kv_impl != "xla" and model.layout is not None:
+        raise ValueError(f"kv_impl={kv_impl!r} runs on one device; a sharded model commits with kv_impl='xla' "
+                         "(the default), which XLA partitions with the cache")
     single, rows = prompt_rows(model, prompt, input_ids, chat)
     if on_tokens is not None and not single:
         raise ValueError("streaming (on_tokens) needs a single prompt, not a batch")
@@ -131,16 +135,19 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
             tokens[b, P - len(r):] = r
         state = engine.ar_prefill(model.graphdef, model.params, jnp.asarray(tokens), jnp.asarray(start), key,
                                   jnp.int32(max_new_tokens), max_len=_round_up(P + max_new_tokens, 256),
-                                  out_len=_round_up(max_new_tokens, 64), sampling=sampling, eos=eos)
+                                  out_len=_round_up(max_new_tokens, 64), sampling=sampling, eos=eos,
+                                  layout=model.layout)
         step = lambda s, stop: engine.ar_decode(model.graphdef, model.params, s, jnp.int32(stop),  # noqa: E731
-                                                sampling=sampling, eos=eos)
-        count = lambda s: int(s.steps)  # noqa: E731
+                                                sampling=sampling, eos=eos, layout=model.layout)
+        count = lambda s: int(to_host(s.steps))  # noqa: E731
     else:
         if len(rows) != 1:
             raise ValueError("speculative decoding runs one prompt at a time; use method='ar' for batches")
         check_fits(drafter.config, model)
+        check_placement(drafter, model)
         dc = drafter.config
-        settings = engine.SpecSettings(method, budget, dc.block_size, dc.target_layer_ids, sampling, eos, kv_impl)
+        settings = engine.SpecSettings(method, budget, dc.block_size, dc.target_layer_ids, sampling, eos, kv_impl,
+                                       model.layout, drafter.layout)
         (r,) = rows
         P = _round_up(len(r), 64)
         tokens = np.zeros((1, P), np.int32)  # right-padded; the forward is told the real length
@@ -154,35 +161,35 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
                                     max_len=max_len, out_len=out_len, settings=settings)
         step = lambda s, stop: engine.spec_decode(model.graphdef, model.params, drafter.graphdef,  # noqa: E731
                                                   drafter.params, s, jnp.int32(stop), settings=settings)
-        count = lambda s: int(s.emitted)  # noqa: E731
+        count = lambda s: int(to_host(s.emitted))  # noqa: E731
 
     state = step(state, count(state))  # compiles the decode loop without running a step
     jax.block_until_ready(state)
     t1 = time.perf_counter()
     if on_tokens is not None:
         shown = count(state)
-        on_tokens(np.asarray(state.out).reshape(-1)[:shown].tolist())
-        while not bool(np.all(np.asarray(state.done))):
+        on_tokens(to_host(state.out).reshape(-1)[:shown].tolist())
+        while not bool(np.all(to_host(state.done))):
             state = step(state, count(state) + chunk_tokens)
             n = count(state)
-            on_tokens(np.asarray(state.out).reshape(-1)[shown:n].tolist())
+            on_tokens(to_host(state.out).reshape(-1)[shown:n].tolist())
             shown = n
     else:
         state = step(state, max_new_tokens)
     jax.block_until_ready(state)
     t2 = time.perf_counter()
 
-    out = np.asarray(state.out)
+    out = to_host(state.out)
     if method == "ar":
-        n = np.asarray(state.emitted)
+        n = to_host(state.emitted)
         ids = [out[b, : n[b]].tolist() for b in range(out.shape[0])]
-        forwards = int(state.steps)
+        forwards = int(to_host(state.steps))
         stats["acceptance_length"] = 1.0
     else:
-        ids = [out[: int(state.emitted)].tolist()]
-        rounds = int(state.rounds)
+        ids = [out[: int(to_host(state.emitted))].tolist()]
+        rounds = int(to_host(state.rounds))
         forwards = rounds + 1
-        stats.update(spec_stats(np.asarray(state.accepted_hist), rounds, len(ids[0]), budget, int(state.tree_nodes)),
+        stats.update(spec_stats(to_host(state.accepted_hist), rounds, len(ids[0]), budget, int(to_host(state.tree_nodes))),
                      kv_commit=kv_commit)
     new_tokens = sum(map(len, ids))
     decode_tokens = new_tokens - len(ids)  # the first token of each row comes from the prefill
@@ -198,6 +205,15 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
     if single:
         return GenerationResult(ids[0], texts[0] if texts else None, stats)
     return GenerationResult(ids, texts, stats)
+
+
+def check_placement(drafter: Drafter, model: Model) -> None:
+    """Drafter and target must live on the same devices (the drafter is placed when loaded for a model)."""
+    mesh = lambda h: None if h.layout is None else h.layout.mesh  # noqa: E731
+    if drafter.layout is not None and mesh(drafter) != mesh(model) or \
+            drafter.layout is None and model.layout is not None and jax.tree.leaves(drafter.params):
+        raise ValueError("the drafter and the target are on different devices; load or init the drafter after "
+                         "sharding the target (jaxspec.load_drafter(path, model) places it on the model's mesh)")
 
 
 def spec_stats(hist: np.ndarray, rounds: int, emitted: int, budget: int, tree_nodes: int) -> dict:

@@ -17,6 +17,7 @@ from jaxspec.checkpoint import DFLASH_ZLAB_RULES, WeightsError, load_params, rea
 from jaxspec.config import ConfigError, DrafterConfig, default_target_layer_ids, drafter_config_from_dict
 from jaxspec.model import Model
 from jaxspec.models.dflash import DFlashDrafter
+from jaxspec.sharding import Layout
 
 MAX_BLOCK_SIZE = 64
 
@@ -26,15 +27,21 @@ class Drafter:
     config: DrafterConfig
     graphdef: Any
     params: Any  # nnx.State of the DFlashDrafter
+    layout: Layout | None = None  # sharded over its target's mesh, by the "drafter" rules
 
     @property
     def module(self) -> DFlashDrafter:
         return nnx.merge(self.graphdef, self.params)
 
     @staticmethod
-    def from_module(module: DFlashDrafter) -> "Drafter":
+    def from_module(module: DFlashDrafter, model: Model | None = None) -> "Drafter":
+        """The handle for `module`, placed on `model`'s mesh when the target is sharded."""
         graphdef, params = nnx.split(module)
-        return Drafter(module.config, graphdef, params)
+        if model is None or model.layout is None:
+            return Drafter(module.config, graphdef, params)
+        c = module.config
+        layout = Layout.of("drafter", model.layout.mesh, {"q_heads": c.num_heads, "kv_heads": c.num_kv_heads})
+        return Drafter(module.config, graphdef, layout.place_params(params), layout)
 
     def save(self, path, dtype: str = "float32") -> None:
         """Write config.json + model.safetensors (unprefixed z-lab names) atomically; dtype float32 or bfloat16."""
@@ -105,7 +112,7 @@ def load_drafter(path, model: Model) -> Drafter:
     dt = model.dtype
     module = load_params(lambda: DFlashDrafter(cfg, dtype=dt, rngs=nnx.Rngs(0)), read_safetensors(path),
                          DFLASH_ZLAB_RULES, what="drafter checkpoint")
-    return Drafter.from_module(module)
+    return Drafter.from_module(module, model)
 
 
 def _read_draft_vocab(path: Path, size: int) -> tuple[int, ...]:
@@ -161,7 +168,7 @@ def init_drafter(model: Model, num_layers: int = 1, block_size: int = 16, seed: 
         draft_vocab=tuple(sorted(int(i) for i in draft_vocab)),
     )
     check_fits(cfg, model)
-    return Drafter.from_module(DFlashDrafter(cfg, dtype=model.dtype, rngs=nnx.Rngs(seed)))
+    return Drafter.from_module(DFlashDrafter(cfg, dtype=model.dtype, rngs=nnx.Rngs(seed)), model)
 
 
 __all__ = ["Drafter", "load_drafter", "init_drafter", "WeightsError"]

@@ -28,6 +28,7 @@ from jaxspec.accept import accept_walk, node_targets
 from jaxspec.cache import Cache
 from jaxspec.sampling import SamplingParams, sample
 from jaxspec.segment import Segment
+from jaxspec.sharding import Layout
 from jaxspec.tree import build_chain, build_tree, tree_segment
 
 
@@ -47,26 +48,32 @@ class ARState:
     max_new: jax.Array  # [] int32
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "max_len", "out_len", "sampling", "eos"))
+def _pin(layout: Layout | None, cache: Cache) -> Cache:
+    """Keep a cache sharded like the layers that write it (a no-op on one device)."""
+    return cache if layout is None else layout.constrain(cache)
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "max_len", "out_len", "sampling", "eos", "layout"))
 def ar_prefill(target_def, target_params, tokens, start, key, max_new, *, max_len, out_len,
-               sampling: SamplingParams, eos) -> ARState:
+               sampling: SamplingParams, eos, layout: Layout | None = None) -> ARState:
     """Left-padded prompts tokens [B, P] (row b's first real slot is start[b]) -> state with the first token."""
     target = nnx.merge(target_def, target_params)
     B, P = tokens.shape
     positions = jnp.maximum(jnp.arange(P)[None, :] - start[:, None], 0)  # the pads' positions are never seen
-    cache = target.init_cache(B, max_len).with_start(start)
+    cache = _pin(layout, target.init_cache(B, max_len).with_start(start))
     logits, _, cache = target(tokens, Segment.causal(positions), cache, logits_idx=jnp.full((B, 1), P - 1))
     key, sub = jax.random.split(key)
     tok = sample(logits[:, 0], sub, sampling)
     return ARState(
-        cache=cache.advance(P), last=tok, out=jnp.zeros((B, out_len), jnp.int32).at[:, 0].set(tok),
+        cache=_pin(layout, cache.advance(P)), last=tok, out=jnp.zeros((B, out_len), jnp.int32).at[:, 0].set(tok),
         emitted=jnp.ones((B,), jnp.int32), steps=jnp.int32(1),
         done=jnp.isin(tok, jnp.asarray(eos, jnp.int32)) | (max_new <= 1), key=key, max_new=max_new,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "sampling", "eos"), donate_argnames=("state",))
-def ar_decode(target_def, target_params, state: ARState, stop_at, *, sampling: SamplingParams, eos) -> ARState:
+@functools.partial(jax.jit, static_argnames=("target_def", "sampling", "eos", "layout"), donate_argnames=("state",))
+def ar_decode(target_def, target_params, state: ARState, stop_at, *, sampling: SamplingParams, eos,
+              layout: Layout | None = None) -> ARState:
     """Decode until every row is done or `stop_at` tokens exist (a chunk boundary for streaming)."""
     target = nnx.merge(target_def, target_params)
     eos_ids = jnp.asarray(eos, jnp.int32)
@@ -82,7 +89,7 @@ def ar_decode(target_def, target_params, state: ARState, stop_at, *, sampling: S
         live = ~s.done
         out = jax.lax.dynamic_update_slice(s.out, jnp.where(live, tok, 0)[:, None], (0, s.steps))
         done = s.done | jnp.isin(tok, eos_ids) | (s.steps + 1 >= s.max_new)
-        return ARState(cache=cache.advance(1), last=tok, out=out, emitted=s.emitted + live, steps=s.steps + 1,
+        return ARState(cache=_pin(layout, cache.advance(1)), last=tok, out=out, emitted=s.emitted + live, steps=s.steps + 1,
                        done=done, key=key, max_new=s.max_new)
 
     return jax.lax.while_loop(cond, body, state)
@@ -102,6 +109,8 @@ class SpecSettings:
     sampling: SamplingParams
     eos: tuple[int, ...]
     kv_impl: str = "xla"  # the KV commit: "xla" | "pallas"
+    layout: Layout | None = None  # the target's mesh and sharding rules (None: one device)
+    draft_layout: Layout | None = None  # the drafter's
 
     @property
     def depth(self) -> int:
@@ -131,13 +140,15 @@ def spec_prefill(target_def, target_params, drafter_def, drafter_params, tokens,
     target, drafter = nnx.merge(target_def, target_params), nnx.merge(drafter_def, drafter_params)
     P = tokens.shape[1]
     segment = Segment.causal(jnp.arange(P, dtype=jnp.int32)[None], lengths=length)
-    logits, taps, cache = target(tokens, segment, target.init_cache(1, max_len), tap_layers=settings.tap_layers,
+    cache = _pin(settings.layout, target.init_cache(1, max_len))
+    logits, taps, cache = target(tokens, segment, cache, tap_layers=settings.tap_layers,
                                  logits_idx=jnp.reshape(length - 1, (1, 1)))
-    draft_cache = drafter.append_context(drafter.init_cache(1, max_len), taps, length)
+    draft_cache = _pin(settings.draft_layout, drafter.init_cache(1, max_len))
+    draft_cache = _pin(settings.draft_layout, drafter.append_context(draft_cache, taps, length))
     key, sub = jax.random.split(key)
     bonus = sample(logits[0, 0], sub, settings.sampling)
     return SpecState(
-        cache=cache.advance(length), draft_cache=draft_cache, bonus=bonus,
+        cache=_pin(settings.layout, cache.advance(length)), draft_cache=draft_cache, bonus=bonus,
         out=jnp.zeros((out_len,), jnp.int32).at[0].set(bonus), emitted=jnp.int32(1),
         done=jnp.isin(bonus, jnp.asarray(settings.eos, jnp.int32)) | (max_new <= 1), key=key, max_new=max_new,
         rounds=jnp.int32(0), accepted_hist=jnp.zeros((settings.depth + 1,), jnp.int32), tree_nodes=jnp.int32(0),
@@ -160,8 +171,8 @@ def spec_round(target, drafter, s: SpecState, settings: SpecSettings) -> SpecSta
     target_tokens = node_targets(logits[0], k_verify, settings.sampling)
     path, k = accept_walk(tree, target_tokens, D)
     # 5. commit the target cache and the drafter context, emit [accepted drafts..., new bonus]
-    cache = pending.commit(path, k + 1, impl=settings.kv_impl)
-    draft_cache = drafter.append_context(s.draft_cache, taps[0][path][None], k + 1)
+    cache = _pin(settings.layout, pending.commit(path, k + 1, impl=settings.kv_impl))
+    draft_cache = _pin(settings.draft_layout, drafter.append_context(s.draft_cache, taps[0][path][None], k + 1))
     bonus = target_tokens[path[k]]
     i = jnp.arange(D + 1)
     new = jnp.where(i < k, tokens[path[jnp.minimum(i + 1, D)]], jnp.where(i == k, bonus, 0))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -11,15 +11,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxspec.checkpoint import WeightsError, load_params, read_gguf, read_safetensors
 from jaxspec.checkpoint.compressed_tensors import maybe_dequantize, packed_schemes
 from jaxspec.checkpoint.core import rule_target
 from jaxspec.checkpoint.gguf import native_schemes
-from jaxspec.models import quant
+from jaxspec.checkpoint.orbax import is_converted, restore_params
 from jaxspec.config import ConfigError, TargetConfig
+from jaxspec.models import quant
 from jaxspec.models.registry import Family, config_from_dict, family_of, load_config
+from jaxspec.models.registry import layout as registry_layout
 from jaxspec.segment import Segment
+from jaxspec.sharding import Layout, place
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -41,6 +45,7 @@ class Model:
     params: Any  # nnx.State of the family's module
     tokenizer: Any = None
     source: str = ""
+    layout: Layout | None = None  # the mesh and sharding rules, None on one device
 
     @property
     def family(self) -> Family:
@@ -73,10 +78,15 @@ class Model:
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); got {ids.min()}..{ids.max()}")
         return np.asarray(_causal_logits(self.graphdef, self.params, jnp.asarray(ids)))
 
+    def on_mesh(self, mesh: Mesh) -> "Model":
+        """The same model with its parameters sharded over `mesh` (jaxspec.make_mesh) by its family's rules."""
+        layout = registry_layout(self.config, mesh)
+        return replace(self, params=layout.place_params(self.params), layout=layout)
+
     @staticmethod
-    def from_module(module: nnx.Module, tokenizer=None, source: str = "") -> "Model":
+    def from_module(module: nnx.Module, tokenizer=None, source: str = "", layout: Layout | None = None) -> "Model":
         graphdef, params = nnx.split(module)
-        return Model(module.config, graphdef, params, tokenizer, source)
+        return Model(module.config, graphdef, params, tokenizer, source, layout)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -88,22 +98,25 @@ def _causal_logits(graphdef, params, ids):
     return logits
 
 
-def random_model(config: TargetConfig, *, seed: int = 0, dtype="float32", tokenizer=None) -> Model:
+def random_model(config: TargetConfig, *, seed: int = 0, dtype="float32", tokenizer=None, mesh: Mesh | None = None) -> Model:
     """A randomly initialised target of any registered family (tests, benchmarks on bigger shapes)."""
     module = family_of(config.model_type).module(config, dtype=parse_dtype(dtype), rngs=nnx.Rngs(seed))
-    return Model.from_module(module, tokenizer, source="random")
+    model = Model.from_module(module, tokenizer, source="random")
+    return model if mesh is None else model.on_mesh(mesh)
 
 
-def load(path, dtype="float32", *, tokenizer: bool = True, quantize: str | None = None) -> Model:
-    """Load a target from a HF directory (config.json + safetensors [+ index]) or a .gguf file.
+def load(path, dtype="float32", *, mesh: Mesh | None = None, tokenizer: bool = True,
+         quantize: str | None = None) -> Model:
+    """Load a target from a HF directory (config.json + safetensors [+ index]), a .gguf file, or a directory
+    converted by `python -m checkpoints_convert` (Orbax parameters).
 
+    mesh (jaxspec.make_mesh): each tensor goes straight into its shards as it is read.
     quantize: None keeps every weight float (`dtype`); "int8" (one scale per output channel) and "int4" (one
     scale per 32 inputs), both round-to-nearest symmetric, pack every projection, the stacked experts and the
     token embedding (tied LM head) as they load; routers and norms stay float. "native" keeps a GGUF's
     Q4_0 / Q4_1 / Q8_0 tensors as stored (other GGUF types load as float). A compressed-tensors INT4
     checkpoint (Kimi) keeps its packed weights as stored under any `quantize`, and dequantises them under
-    None. See jaxspec/models/quant.py.
-    """
+    None. See jaxspec/models/quant.py."""
     quant.check_quantize(quantize)
     path = Path(path)
     dt = parse_dtype(dtype)
@@ -112,25 +125,48 @@ def load(path, dtype="float32", *, tokenizer: bool = True, quantize: str | None 
     if path.is_file() and path.suffix == ".gguf":
         hf_cfg, tensors = read_gguf(path, native=quantize == "native")
         cfg = config_from_dict(hf_cfg)
+        layout = _layout(cfg, mesh)
         native = native_schemes(path) if quantize == "native" else {}
-        module = _build(cfg, tensors, dt, quantize, native)
+        module = _build(cfg, tensors, dt, layout, quantize, native)
         tok = _tokenizer(path.parent, gguf_file=path.name) if tokenizer else None
+    elif path.is_dir() and is_converted(path):  # python -m checkpoints_convert: Orbax, restored into the shards
+        if quantize is not None:
+            raise ValueError(f"{path} is a converted checkpoint, restored as stored; quantize={quantize!r} applies "
+                             "to HF directories and .gguf files (convert from the source instead)")
+        cfg = load_config(path)
+        layout = _layout(cfg, mesh)
+        ctor = lambda: family_of(cfg.model_type).module(cfg, dtype=dt, rngs=nnx.Rngs(0))  # noqa: E731
+        module = restore_params(ctor, path, lambda var: _sharding(layout, var))
+        tok = _tokenizer(path) if tokenizer else None
     elif path.is_dir():
         cfg = load_config(path)
+        layout = _layout(cfg, mesh)
         stored = packed_schemes(path) if quantize is not None else {}
         if quantize == "native" and not stored:
             raise ValueError(f"quantize='native' keeps a checkpoint's own packing, and {path} has none "
                              "(no pack-quantized quantization_config); use quantize='int8' or 'int4'")
         tensors = maybe_dequantize(path, read_safetensors(path), keep_packed=quantize is not None)
-        module = _build(cfg, tensors, dt, quantize, stored)
+        module = _build(cfg, tensors, dt, layout, quantize, stored)
         tok = _tokenizer(path) if tokenizer else None
     else:
         raise ConfigError(f"{path} is neither a model directory nor a .gguf file")
-    return Model.from_module(module, tok, source=str(path))
+    return Model.from_module(module, tok, source=str(path), layout=layout)
+
+
+def _layout(cfg: TargetConfig, mesh: Mesh | None) -> Layout | None:
+    return None if mesh is None else registry_layout(cfg, mesh)
+
+
+def _sharding(layout: Layout | None, var: nnx.Variable) -> jax.sharding.Sharding:
+    """Where a parameter lives: its shards on the layout's mesh, or the default device."""
+    if layout is None:
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return layout.sharding(var.get_metadata()["out_sharding"], var.shape)
 
 
 def quantize_model(model: Model, quantize: str) -> Model:
-    """A copy of a float `model` with its weights packed on the fly ("int8" or "int4", as in `load`)."""
+    """A copy of a float `model` with its weights packed on the fly ("int8" or "int4", as in `load`), on one
+    device (load with `mesh=` and `quantize=` for a sharded packed model)."""
     quant.check_quantize(quantize)
     if quantize not in ("int8", "int4"):
         raise ValueError(f"quantize_model packs float weights: use 'int8' or 'int4', not {quantize!r}")
@@ -143,13 +179,15 @@ def _scheme(quantize: str) -> quant.Scheme:
     return quant.Scheme(8, None) if quantize == "int8" else quant.Scheme(4, quant.INT4_GROUP)
 
 
-def _build(cfg: TargetConfig, tensors, dtype, quantize: str | None, native: dict) -> nnx.Module:
+def _build(cfg: TargetConfig, tensors, dtype, layout: Layout | None = None, quantize: str | None = None,
+           native: dict | None = None) -> nnx.Module:
     """The family's module for `cfg` (with packed parameters where `quantize` asks), filled from `tensors`
-    through the family's name table. native: HF tensor name -> Scheme of the tensors that arrive packed
-    (they keep their own packing; with int8 / int4 the other weights are quantised on the fly)."""
+    through the family's name table (straight into each parameter's shards when there is a layout).
+    native: HF tensor name -> Scheme of the tensors that arrive packed (they keep their own packing; with
+    int8 / int4 the other weights are quantised on the fly)."""
     family = family_of(cfg.model_type)
     stored = {}
-    for name, scheme in native.items():
+    for name, scheme in (native or {}).items():
         target = rule_target(name, family.hf_rules)
         if target is not None:  # an embedding table is [out, in] already; kernels and stacked experts are transposed
             stored[target] = dataclasses.replace(scheme, transposed=target != "embed_tokens")
@@ -157,7 +195,6 @@ def _build(cfg: TargetConfig, tensors, dtype, quantize: str | None, native: dict
         plans = lambda m: quant.linear_plan(m, _scheme(quantize)) | stored  # noqa: E731
     else:
         plans = lambda m: stored  # noqa: E731
-
     made: dict[str, quant.Scheme] = {}  # the plan of the module built, for packing float tensors
 
     def ctor():
@@ -170,7 +207,8 @@ def _build(cfg: TargetConfig, tensors, dtype, quantize: str | None, native: dict
         scheme = made[path]
         return quant.quantize(np.swapaxes(w, -1, -2) if scheme.transposed else w, scheme)
 
-    return load_params(ctor, tensors, family.hf_rules, pack=pack)
+    put = None if layout is None else (lambda arr, var, path: place(arr, layout.sharding(var.get_metadata()["out_sharding"], arr.shape)))
+    return load_params(ctor, tensors, family.hf_rules, pack=pack, place=put)
 
 
 def _tokenizer(model_dir: Path, gguf_file: str | None = None):

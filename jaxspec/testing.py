@@ -24,7 +24,8 @@ from jaxspec.model import Model
 class OracleDrafter(nnx.Module):
     def __init__(self, cfg: DrafterConfig, reference, noise: float, max_rank: int, seed: int):
         self.config = cfg
-        self.reference = nnx.Variable(jnp.asarray(reference, jnp.int32))  # [R]
+        self.reference = nnx.Variable(jnp.asarray(reference, jnp.int32), out_sharding=("seq",),  # [R]
+                                      eager_sharding=False)
         self.noise, self.max_rank, self.seed = float(noise), int(max_rank), int(seed)
 
     def init_cache(self, batch: int, max_len: int) -> Cache:
@@ -57,4 +58,4 @@ def oracle_drafter(model: Model, reference, *, noise: float = 0.0, max_rank: int
     cfg = DrafterConfig(**model.family.drafter_geometry(t), hidden_size=t.hidden_size, num_layers=0,
                         vocab_size=t.vocab_size, block_size=block_size, mask_token_id=0, target_layer_ids=(0,),
                         num_target_layers=t.num_layers)
-    return Drafter.from_module(OracleDrafter(cfg, np.asarray(reference), noise, max_rank, seed))
+    return Drafter.from_module(OracleDrafter(cfg, np.asarray(reference), noise, max_rank, seed), model)

@@ -22,6 +22,7 @@ from flax import nnx
 import jaxspec
 from jaxspec.config import dense_config_from_dict
 from jaxspec.models.deepseek import deepseek_config_from_dict
+from jaxspec.models.gemma4 import gemma4_config_from_dict
 from jaxspec.models.qwen3_next import hybrid_config_from_dict
 from jaxspec.segment import Segment
 
@@ -53,6 +54,12 @@ TARGETS.update({
                                                    "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                                    "shared_expert_intermediate_size": 32}),
 })
+# Gemma 4: sliding (window 4 < the tree's reach) and full layers of different geometry (k_eq_v: 1 KV head of 32);
+# layers 2 and 3 read layers 0 and 1's K/V and own no cache entry, so a commit moves 2 entries for 4 layers
+TARGETS["gemma4_shared_kv"] = lambda: gemma4_config_from_dict(dict(
+    BASE, model_type="gemma4_text", num_hidden_layers=4, global_head_dim=32, num_global_key_value_heads=1,
+    attention_k_eq_v=True, sliding_window=4, hidden_size_per_layer_input=0, num_kv_shared_layers=2,
+    layer_types=["sliding_attention", "full_attention"] * 2))
 
 
 @pytest.fixture(scope="module", params=list(TARGETS))
@@ -173,7 +180,7 @@ def test_right_padding_is_never_committed(target):
 
 AXES = {"batch", "seq", "vocab", "embed", "q_heads", "kv_heads", "head_dim", "ffn", "experts", "layers", "tap_embed",
         "latent", "q_latent", "shared_gate", "gdn_heads", "gdn_key_heads", "gdn_key_dim", "gdn_value_dim",
-        "conv_channels", "conv_kernel"}
+        "conv_channels", "conv_kernel", "per_layer"}
 
 
 def test_logical_axes(target):

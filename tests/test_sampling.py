@@ -4,6 +4,8 @@ token's marginal and on the joint of each pair of consecutive tokens, which adds
 between tokens (a key reused across steps or rounds, noise shared between tree nodes). Each comparison must
 give p > 1e-3; the seeds are fixed, so the tests are deterministic.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,8 +14,11 @@ import scipy.stats
 
 import jaxspec
 from jaxspec.config import dense_config_from_dict
+from jaxspec.models.deepseek import deepseek_config_from_dict
+from jaxspec.models.qwen3_next import hybrid_config_from_dict
 from jaxspec.sampling import SamplingParams, filtered_logits
 from jaxspec.testing import oracle_drafter
+from test_cache import GDN, MLA
 from test_engine import BASE, PROMPT, TINY, tiny_target
 
 # ------------------------------------------------------------------------------------ filtering
@@ -172,10 +177,29 @@ def check_distribution(samples, levels, n, what):
         assert p > 1e-3, f"{what}: tokens ({i}, {i + 1}) joint, p = {p:.2e}"
 
 
-def sampling_target(scale, seed=7):
-    """A random qwen3 target with its params scaled: larger scale = more peaked, so deep acceptance happens."""
-    m = jaxspec.random_model(dense_config_from_dict({**BASE, **TINY["qwen3"]}), seed=seed)
+SMALL = dict(vocab_size=128, max_position_embeddings=512, eos_token_id=None, bos_token_id=None)  # PROMPT's vocab
+SAMPLING_FAMILIES = {
+    "qwen3": lambda: dense_config_from_dict({**BASE, **TINY["qwen3"]}),
+    # hybrid: GDN, GDN, attention layers, each followed by a sparse MoE (4 experts, top 2) and a shared expert
+    "qwen3_next": lambda: hybrid_config_from_dict({**GDN, **SMALL, "model_type": "qwen3_next", "num_experts": 4,
+                                                   "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                                   "shared_expert_intermediate_size": 32}),
+    # MLA + MoE (group-limited routing): verify (at most 1 + 8 nodes) runs the absorbed attention and gathers
+    # experts; the exact reference (17-token forwards, batches of 256) runs the expanded form and ragged experts
+    "deepseek_v3": lambda: deepseek_config_from_dict({**MLA, **SMALL, "model_type": "deepseek_v3"}).replace(
+        absorb_max_tokens=9),
+}
+
+
+def sampling_target(scale, seed=7, family="qwen3"):
+    """A random target with its params scaled: larger scale = more peaked, so deep acceptance happens. DeepSeek's
+    router also gets a random correction bias (selection only), as a real checkpoint has."""
+    m = jaxspec.random_model(SAMPLING_FAMILIES[family](), seed=seed)
     m.params = jax.tree.map(lambda x: x * scale, m.params)
+    if family == "deepseek_v3":
+        for layer in range(m.config.first_k_dense_replace, m.config.num_layers):
+            bias = m.params["layers"][layer]["mlp"]["gate"]["e_score_correction_bias"]
+            bias.set_value(jax.random.normal(jax.random.key(layer), bias.shape) * 0.3)
     return m
 
 
@@ -227,30 +251,56 @@ SPEC_BLOCK = 4  # 3 draft depths: "fully accepted" (k = 3) is reachable and the 
 REPEAT_PROMPT = [13, 21, 80, 118, 81, 94, 112, 49, 51, 14, 30, 10, 85]
 
 
-@pytest.mark.parametrize("method,budget,noise,temperature,top_k,top_p,scale,seed,prompt", [
-    ("dflash", None, 0.0, 0.7, 6, 0.9, 4.0, 7, PROMPT),
-    ("ddtree", 8, 0.5, 0.5, 8, 0.9, 4.0, 7, PROMPT),  # noise: the right token is often a second child
-    ("ddtree", 8, 0.5, 1.3, 10, 0.95, 5.0, 11, REPEAT_PROMPT),
-], ids=["dflash", "ddtree", "ddtree-repeat"])
-def test_lossless_sampling_pairs(method, budget, noise, temperature, top_k, top_p, scale, seed, prompt):
+@functools.lru_cache(maxsize=1)
+def spec_target(family, scale, seed):
+    return sampling_target(scale, seed, family)  # shared by consecutive cases of one target
+
+
+@functools.lru_cache(maxsize=1)
+def spec_levels(family, scale, seed, temperature, top_k, top_p, prompt):
+    """Exact levels of tokens 1-5 and the greedy continuation read off them (the argmax always survives the
+    filter): no AR run to compile. Tokens past the 5th are never emitted, so the oracle needs no more."""
+    levels = exact_levels(spec_target(family, scale, seed), SamplingParams(temperature, top_k, top_p),
+                          SPEC_BLOCK + 1, list(prompt))
+    greedy = ()
+    for prefixes, _, cond in levels:
+        greedy += (int(np.argmax(cond[prefixes.index(greedy)])),)
+    return levels, list(greedy)
+
+
+@pytest.mark.parametrize("family,method,budget,noise,temperature,top_k,top_p,scale,seed,prompt,runs", [
+    ("qwen3", "dflash", None, 0.0, 0.7, 6, 0.9, 4.0, 7, PROMPT, SPEC_SEEDS),
+    # noise: the right token is often a second child
+    ("qwen3", "ddtree", 8, 0.5, 0.5, 8, 0.9, 4.0, 7, PROMPT, SPEC_SEEDS),
+    ("qwen3", "ddtree", 8, 0.5, 1.3, 10, 0.95, 5.0, 11, REPEAT_PROMPT, SPEC_SEEDS),
+    # hybrid GDN + MoE: a tree node's GDN state and conv window follow its ancestors only (never its siblings), and
+    # the commit folds the accepted path's writes into the state; a chain runs the chunked causal form instead
+    ("qwen3_next", "ddtree", 8, 0.5, 0.7, 6, 0.9, 2.5, 1, PROMPT, SPEC_SEEDS),
+    ("qwen3_next", "dflash", None, 0.0, 0.7, 6, 0.9, 2.5, 1, PROMPT, 1000),
+    # MLA + MoE: absorbed verify against the expanded reference, group-limited routing with a biased selection
+    ("deepseek_v3", "ddtree", 8, 0.5, 1.2, 8, 0.9, 2.0, 0, PROMPT, SPEC_SEEDS),
+    ("deepseek_v3", "dflash", None, 0.0, 1.2, 8, 0.9, 2.0, 0, PROMPT, 1000),
+], ids=["dflash", "ddtree", "ddtree-repeat", "qwen3_next-ddtree", "qwen3_next-dflash", "deepseek_v3-ddtree",
+        "deepseek_v3-dflash"])
+def test_lossless_sampling_pairs(family, method, budget, noise, temperature, top_k, top_p, scale, seed, prompt, runs):
     """Speculative sampling with temperature, top-k and top-p: tokens 1-5, and each consecutive pair of them,
-    follow the exact target distribution (SPEC_SEEDS fixed seeds). With blocks of 4, round 1 emits tokens 2-4 from
-    tree depths 1-3 and, when all 3 drafts are accepted, token 5 as the bonus after the full path; the
-    histogram shows both deep and full acceptances happen often enough to matter. The targets are peaked enough
-    that the greedy path (the oracle's proposal) is often sampled, with several plausible tokens per step."""
-    model = sampling_target(scale, seed)
-    sp = SamplingParams(temperature, top_k, top_p)
-    levels = exact_levels(model, sp, SPEC_BLOCK + 1, prompt)
-    greedy = jaxspec.generate(model, input_ids=prompt, max_new_tokens=16).token_ids
+    follow the exact target distribution (`runs` fixed seeds; fewer for the other families' DFlash chains, whose
+    tree-free verify the DDTree cases' chi-square does not need to repeat at full power). With blocks of 4, round 1
+    emits tokens 2-4 from tree depths 1-3 and, when all 3 drafts are accepted, token 5 as the bonus after the full
+    path; the histogram shows both deep and full acceptances happen often enough to matter. The targets are peaked
+    enough that the greedy path (the oracle's proposal) is often sampled, with several plausible tokens per step.
+    One test for every family: the exact reference is model.logits (a plain causal forward), never the engine."""
+    model = spec_target(family, scale, seed)
+    levels, greedy = spec_levels(family, scale, seed, temperature, top_k, top_p, tuple(prompt))
     d = oracle_drafter(model, prompt + greedy, noise=noise, max_rank=2, block_size=SPEC_BLOCK)
     samples, hist, full_first = [], np.zeros(SPEC_BLOCK, int), 0
-    for s in range(SPEC_SEEDS):
+    for s in range(runs):
         r = jaxspec.generate(model, input_ids=prompt, drafter=d, method=method, budget=budget,
                              max_new_tokens=SPEC_BLOCK + 1, temperature=temperature, top_k=top_k, top_p=top_p, seed=s)
         samples.append(r.token_ids)
         hist += r.stats["accepted_length_histogram"]
         full_first += r.stats["rounds"] == 1  # 1 round = round 1 accepted all drafts: token 5 is its bonus
+    check_distribution(samples, levels, SPEC_BLOCK + 1, f"{family} {method} T={temperature} k={top_k} p={top_p}")
     assert hist[2:].sum() >= 150, hist  # rounds that accepted a node at depth >= 2
     assert hist[SPEC_BLOCK - 1] >= 100, hist  # fully accepted blocks, each followed by its bonus
     assert full_first >= 100, full_first
-    check_distribution(samples, levels, SPEC_BLOCK + 1, f"{method} T={temperature} k={top_k} p={top_p}")

@@ -22,6 +22,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from jaxspec.checkpoint.core import WeightsError
+from jaxspec.checkpoint.fp8 import dequantize_fp8_blocks, fp8_block_size
 from jaxspec.models.quant import PackedTensor, Scheme
 
 _PARTS = ("weight_packed", "weight_scale", "weight_shape")
@@ -102,20 +103,25 @@ def dequantize_pack_quantized(tensors: Iterable[tuple[str, np.ndarray]], group_s
 
 def maybe_dequantize(model_dir: Path, tensors: Iterable[tuple[str, np.ndarray]], *,
                      keep_packed: bool = False) -> Iterable[tuple[str, np.ndarray]]:
-    """The tensor stream of a HF directory, its pack-quantized triples (if config.json says so) joined into
-    float `.weight`s, or into `PackedTensor`s if keep_packed."""
-    group_size = pack_quantized_group_size(_quantization_config(model_dir))
+    """The tensor stream of a HF directory, dequantised if its config.json says fp8; its pack-quantized
+    triples (if it says so) joined into float `.weight`s, or into `PackedTensor`s if keep_packed."""
+    q = _quantization_config(model_dir)
+    block = fp8_block_size(q)
+    if block is not None:
+        return dequantize_fp8_blocks(tensors, block)
+    group_size = pack_quantized_group_size(q)
     return tensors if group_size is None else dequantize_pack_quantized(tensors, group_size, keep_packed=keep_packed)
 
 
 def packed_schemes(model_dir: Path) -> dict[str, Scheme]:
     """HF name (`<p>.weight`) -> Scheme of every pack-quantized weight of a HF directory (from the shards'
-    tensor names only: nothing is read); empty if the checkpoint is not pack-quantized."""
+    tensor names only: nothing is read); empty if the checkpoint is not pack-quantized (fp8 is dequantised)."""
     from safetensors import safe_open
 
     from jaxspec.checkpoint.safetensors import safetensors_files
 
-    group_size = pack_quantized_group_size(_quantization_config(model_dir))
+    q = _quantization_config(model_dir)
+    group_size = None if fp8_block_size(q) is not None else pack_quantized_group_size(q)
     if group_size is None:
         return {}
     out = {}

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -65,15 +66,19 @@ def rule_target(name: str, rules: Iterable[Rule]) -> str | None:
 
 def load_params(module_ctor: Callable[[], nnx.Module], tensors: Iterable[tuple[str, np.ndarray]],
                 rules: Iterable[Rule], *, what: str = "checkpoint",
-                pack: Callable[[str, np.ndarray], PackedTensor] | None = None) -> nnx.Module:
+                pack: Callable[[str, np.ndarray], PackedTensor] | None = None,
+                place: Callable[[np.ndarray, nnx.Variable, str], Any] | None = None) -> nnx.Module:
     """Build `module_ctor()` abstractly and fill every parameter from `tensors` through the first matching rule.
 
     Each tensor is cast once, straight to its parameter's dtype; a non-floating parameter (packed INT4/INT8)
     takes a tensor of exactly its dtype, untouched. Raises WeightsError on a name no rule maps, a shape or
     dtype that does not fit, a parameter filled twice, and on any parameter (or stacked slice) left empty.
     `what` names the source in the messages ("drafter checkpoint"); `pack(path, array)` packs a float tensor
-    (after its rule's transform) for a packed parameter.
+    (after its rule's transform) for a packed parameter. `place(host_array, variable, path)` takes
+    each complete parameter (already cast) and returns what the module keeps: a device array (default: on
+    device 0), straight into its shards on a mesh, or, for a converter that writes it out, its abstract shape.
     """
+    place = place or (lambda arr, var, path: jnp.asarray(arr))
     graphdef, state = nnx.split(nnx.eval_shape(module_ctor))
     flat = dict(nnx.to_flat_state(state))
     by_path = {".".join(str(p) for p in k): k for k in flat}
@@ -113,8 +118,11 @@ def load_params(module_ctor: Callable[[], nnx.Module], tensors: Iterable[tuple[s
             parts = [(f"{path}.{k}", a) for k, a in arr.parts().items()]
         else:
             parts = [(path, arr)]
-        for part, a in parts:
-            _put(name, part, a, flat[by_path[part]], rule.stack, m, filled, stacks)
+        del arr  # before the reader allocates the next tensor: one checkpoint tensor alive at a time
+        while parts:
+            part, a = parts.pop(0)
+            _put(name, part, a, flat[by_path[part]], rule.stack, m, filled, stacks, place)
+            del a
 
     missing = []
     for path, key in by_path.items():
@@ -129,13 +137,14 @@ def load_params(module_ctor: Callable[[], nnx.Module], tensors: Iterable[tuple[s
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def _put(name: str, path: str, arr: np.ndarray, var, stack: int | None, m: re.Match, filled: dict, stacks: dict) -> None:
+def _put(name: str, path: str, arr: np.ndarray, var, stack: int | None, m: re.Match, filled: dict, stacks: dict,
+         place) -> None:
     """Place one array into parameter `path` (a whole parameter, or slice e of a stacked one)."""
     _check_dtype(name, path, arr.dtype, var.dtype)
     if stack is None:
         _check_shape(name, arr.shape, var.shape)
         _fill_once(filled, path, name)
-        var.set_value(jnp.asarray(arr, dtype=var.dtype))
+        var.set_value(place(np.asarray(arr, dtype=var.dtype), var, path))
         return
     e, E = int(m.group(stack + 1)), var.shape[0]
     _check_shape(name, arr.shape, var.shape[1:])
@@ -149,7 +158,7 @@ def _put(name: str, path: str, arr: np.ndarray, var, stack: int | None, m: re.Ma
     buf[0][e] = arr  # the one cast, straight into the parameter's dtype
     buf[1] += 1
     if buf[1] == E:
-        var.set_value(jnp.asarray(stacks.pop(path)[0]))
+        var.set_value(place(stacks.pop(path)[0], var, path))
         filled[path] = name
 
 

@@ -8,7 +8,7 @@ With `native=True` the block-quantised types Q4_0, Q4_1 and Q8_0 are not dequant
 (`repack`: a reshuffle of its bytes, no arithmetic on the weights) into a `PackedTensor`, codes int8
 [out, in] and the blocks' float16 scales (and Q4_1's mins) widened to float32, one per 32 inputs.
 Every other type (F32/F16 norms, K-quants such as Q4_K / Q6_K, ...) is dequantised as before: the stated
-fallback, reported by `read_gguf` so the loader builds those parameters as float.
+fallback: `native_schemes` lists the tensors that stay packed, so the loader builds the rest as float.
 """
 from __future__ import annotations
 
@@ -51,22 +51,28 @@ Fix = Callable[[np.ndarray, dict], np.ndarray]  # (float32 tensor, HF config dic
 
 @dataclass(frozen=True)
 class GGUFArch:
-    """model_type: the HF model_type; layer_names: overrides of _LAYER_NAMES; fixes: llama.cpp part name
+    """model_type: the HF model_type; layer_names: overrides of _LAYER_NAMES, keyed by part (`ffn_norm`) or,
+    for a tensor whose whole HF name differs (a `.scale` tensor, a parameter without `.weight`), by part and
+    suffix (`ffn_gate_inp.scale`); top_names: additions to _TOP_NAMES; fixes: llama.cpp part name
     (`attn_q`, `output_norm`, ...) -> the function that undoes what the converter did to that tensor."""
 
     model_type: str
     layer_names: Mapping[str, str] = field(default_factory=dict)
     fixes: Mapping[str, Fix] = field(default_factory=dict)
+    top_names: Mapping[str, str | None] = field(default_factory=dict)
 
     def hf_name(self, gguf_name: str) -> str | None:
         """llama.cpp tensor name -> HF name (None: not a parameter); WeightsError for an unknown one."""
-        m = re.fullmatch(r"(?:blk\.(\d+)\.)?(\w+?)(\.weight|\.bias)", gguf_name)
+        m = re.fullmatch(r"(?:blk\.(\d+)\.)?(\w+?)(\.weight|\.bias|\.scale)", gguf_name)
         if m is not None:
             i, part, suffix = m.groups()
-            if i is None and part in _TOP_NAMES:
-                return None if _TOP_NAMES[part] is None else _TOP_NAMES[part] + suffix
+            top = {**_TOP_NAMES, **self.top_names}
+            if i is None and part in top and suffix != ".scale":
+                return None if top[part] is None else top[part] + suffix
+            if i is not None and part + suffix in self.layer_names:
+                return f"model.layers.{i}.{self.layer_names[part + suffix]}"
             hf = self.layer_names.get(part, _LAYER_NAMES.get(part))
-            if i is not None and hf is not None:
+            if i is not None and hf is not None and suffix != ".scale":
                 return f"model.layers.{i}.{hf}{suffix}"
         raise WeightsError(f"unexpected GGUF tensor {gguf_name}")
 
@@ -100,6 +106,19 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
     # Llama's post-attention norm (ffn_norm) is Gemma's pre-feed-forward norm
     "gemma3": GGUFArch("gemma3_text", layer_names={"ffn_norm": "pre_feedforward_layernorm"},
                        fixes=dict.fromkeys(_GEMMA3_NORMS, _minus_one)),
+    # Gemma 4's norms are plain w (stored as is); the router's scales travel as `.scale` tensors, the fused
+    # experts and the layer scalar without HF's `.weight`; `rope_freqs` only marks the full layers'
+    # unrotated pairs (read by _gemma4_config)
+    "gemma4": GGUFArch("gemma4_text", layer_names={
+        "ffn_norm": "pre_feedforward_layernorm", "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+        "post_ffw_norm_1": "post_feedforward_layernorm_1", "post_ffw_norm_2": "post_feedforward_layernorm_2",
+        "ffn_gate_inp": "router.proj", "ffn_gate_inp.scale": "router.scale",
+        "ffn_down_exps.scale": "router.per_expert_scale", "ffn_gate_up_exps.weight": "experts.gate_up_proj",
+        "ffn_down_exps.weight": "experts.down_proj", "layer_output_scale.weight": "layer_scalar",
+        "inp_gate": "per_layer_input_gate", "proj": "per_layer_projection", "post_norm": "post_per_layer_input_norm",
+    }, top_names={"per_layer_token_embd": "model.embed_tokens_per_layer",
+                  "per_layer_model_proj": "model.per_layer_model_projection",
+                  "per_layer_proj_norm": "model.per_layer_projection_norm"}),
 }
 
 
@@ -117,6 +136,8 @@ def gguf_config(reader) -> dict:
         raise WeightsError(f"GGUF architecture {arch!r} is not supported; jaxspec reads: {', '.join(GGUF_ARCHS)}")
     g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
     n_vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    if arch == "gemma4":
+        return _gemma4_config(reader, g, int(n_vocab))
     H, nH = g("embedding_length"), g("attention.head_count")
     head_dim = g("attention.key_length") or H // nH
     tied = "output.weight" not in {t.name for t in reader.tensors}
@@ -156,6 +177,54 @@ def gguf_config(reader) -> dict:
     rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if rope_freqs is not None:
         d["rope_freq_factors"] = np.asarray(rope_freqs.data, np.float32).ravel().tolist()
+    return d
+
+
+def _gemma4_config(reader, g, n_vocab: int) -> dict:
+    """Gemma 4 metadata (llama.cpp's Gemma4Model converter) -> a gemma4_text config dict. Per-layer arrays give
+    the layer types (`sliding_window_pattern`), the KV heads of each type (`head_count_kv`) and the MLP widths
+    (double on the KV-shared layers); full layers without `attn_v` mean attention_k_eq_v; the `rope_freqs`
+    divisors (1 for rotated pairs, 1e30 for the rest) give the full layers' partial_rotary_factor."""
+    L = int(g("block_count"))
+    swa = [bool(s) for s in g("attention.sliding_window_pattern")]
+    per_layer = lambda v: [int(x) for x in v] if isinstance(v, list) else [int(v)] * L  # noqa: E731
+    kv, ff = per_layer(g("attention.head_count_kv")), per_layer(g("feed_forward_length"))
+    full = [i for i in range(L) if not swa[i]]
+    sliding = [i for i in range(L) if swa[i]] or full
+    n_shared = int(g("attention.shared_kv_layers", 0))
+    tensors = {t.name: t for t in reader.tensors}
+    head_dim, global_head_dim = int(g("attention.key_length_swa")), int(g("attention.key_length"))
+    freqs = tensors.get("rope_freqs.weight")
+    partial = 2 * int((np.asarray(freqs.data).ravel() == 1.0).sum()) / global_head_dim if freqs is not None else 1.0
+    computing_full = [i for i in full if i < L - n_shared]
+    ple = tensors.get("per_layer_token_embd.weight")
+    n_experts = int(g("expert_count", 0) or 0)
+    d = dict(
+        model_type="gemma4_text", vocab_size=n_vocab, hidden_size=int(g("embedding_length")),
+        intermediate_size=ff[0], use_double_wide_mlp=max(ff) > ff[0], num_hidden_layers=L,
+        num_attention_heads=int(g("attention.head_count")), num_key_value_heads=kv[sliding[0]],
+        num_global_key_value_heads=kv[full[0]] if full else kv[0], head_dim=head_dim, global_head_dim=global_head_dim,
+        attention_k_eq_v=bool(computing_full) and all(f"blk.{i}.attn_v.weight" not in tensors for i in computing_full),
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position_embeddings=int(g("context_length", 131072)),
+        sliding_window=int(g("attention.sliding_window", 512)),
+        layer_types=["sliding_attention" if s else "full_attention" for s in swa], num_kv_shared_layers=n_shared,
+        hidden_size_per_layer_input=int(g("embedding_length_per_layer_input", 0) or 0),
+        vocab_size_per_layer_input=int(ple.shape[-1]) if ple is not None else n_vocab,
+        final_logit_softcapping=g("final_logit_softcapping"),
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": float(g("rope.freq_base_swa", 10000.0))},
+            "full_attention": {"rope_type": "proportional", "rope_theta": float(g("rope.freq_base", 1e6)),
+                               "partial_rotary_factor": partial}},
+        enable_moe_block=n_experts > 0, hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+    )
+    if n_experts:
+        d.update(num_experts=n_experts, top_k_experts=int(g("expert_used_count")),
+                 moe_intermediate_size=int(g("expert_feed_forward_length")))
     return d
 
 
@@ -223,11 +292,14 @@ def read_gguf(path: Path, *, native: bool = False) -> tuple[dict, Iterator[tuple
             if native and t.tensor_type.name in NATIVE_TYPES and len(t.data.shape) == 2:
                 packed = repack(np.asarray(t.data), t.tensor_type.name)
                 yield hf, packed.map(lambda a: arch.fix(t.name, a, cfg))  # row fixes move codes and scales alike
+                del packed
                 continue
             try:
                 arr = gguf.quants.dequantize(t.data, t.tensor_type)
             except NotImplementedError as e:
                 raise WeightsError(f"GGUF tensor {t.name} uses {t.tensor_type.name}, which gguf cannot dequantise") from e
-            yield hf, arch.fix(t.name, arr, cfg)
+            arr = arch.fix(t.name, arr, cfg)
+            yield hf, arr
+            del arr  # before the next tensor is dequantised: one tensor alive at a time
 
     return cfg, tensors()

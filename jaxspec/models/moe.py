@@ -5,6 +5,9 @@
         p = softmax(x W_router); w, idx = top-k(p) (renormalised when norm_topk_prob)
         y = sum_k w_k expert_{idx_k}(x) + sigmoid(x w_sg) * shared_expert(x)
 
+Gemma 4's MoE block (models/gemma4.py) has its own router but runs its experts through the same two
+functions, with GeGLU and the fused gate_up layout its checkpoints store.
+
 DeepSeek's router (`DeepseekV3TopkRouter`, float32 whatever the model dtype): s = sigmoid(x W_gate); the correction
 bias is added for *selection only*: groups are ranked by the sum of their two best biased scores, the best
 `topk_group` groups kept, the top `num_experts_per_tok` experts chosen among them; the weights are the
@@ -53,18 +56,27 @@ def route(x, w_gate, bias, *, top_k: int, n_group: int, topk_group: int, norm_to
     return w * scaling, idx.astype(jnp.int32)
 
 
-def experts_gather(x, w, idx, gate, up, down, *, gathered: bool = False):
+def _glu(g, u, act):
+    """act(gate) * up; u None: g holds both halves, [..., gate | up] (a fused gate_up projection)."""
+    if u is None:
+        g, u = jnp.split(g, 2, axis=-1)
+    return act(g) * u
+
+
+def experts_gather(x, w, idx, gate, up, down, act=jax.nn.silu, *, gathered: bool = False):
     """x [T, H], w/idx [T, k], gate/up [E, H, I], down [E, I, H] -> [T, H]: each pair's expert gathered.
+
+    up None: gate is the fused [E, H, 2I] (gate | up) projection (Gemma 4), one matmul instead of two.
     gathered: gate/up/down are already the chosen experts' weights, [T, k, H, I] / [T, k, I, H]."""
     if not gathered:
-        gate, up, down = gate[idx], up[idx], down[idx]
+        gate, up, down = gate[idx], None if up is None else up[idx], down[idx]
     g = jnp.einsum("th,tkhi->tki", x, gate)
-    u = jnp.einsum("th,tkhi->tki", x, up)
-    y = jnp.einsum("tki,tkih->tkh", jax.nn.silu(g) * u, down)  # [T, k, H]
+    u = None if up is None else jnp.einsum("th,tkhi->tki", x, up)
+    y = jnp.einsum("tki,tkih->tkh", _glu(g, u, act), down)  # [T, k, H]
     return jnp.einsum("tkh,tk->th", y, w.astype(y.dtype))
 
 
-def experts_ragged(x, w, idx, gate, up, down):
+def experts_ragged(x, w, idx, gate, up, down, act=jax.nn.silu):
     """Same contract as `experts_gather`: pairs sorted by expert, one `ragged_dot` per projection."""
     T, k = idx.shape
     E = gate.shape[0]
@@ -73,7 +85,8 @@ def experts_ragged(x, w, idx, gate, up, down):
     token = order // k  # the token of each sorted pair
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)  # [E] pairs per expert
     xs = x[token]  # [M, H]
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)
+    u = None if up is None else jax.lax.ragged_dot(xs, up, sizes)
+    h = _glu(jax.lax.ragged_dot(xs, gate, sizes), u, act)
     y = jax.lax.ragged_dot(h, down, sizes) * w.reshape(-1)[order][:, None].astype(x.dtype)  # [M, H]
     return jnp.zeros_like(x).at[token].add(y)
 

@@ -9,14 +9,16 @@ config through the `TargetConfig` protocol only.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from jaxspec.checkpoint import DEEPSEEK_HF_RULES, DENSE_HF_RULES, HYBRID_HF_RULES, Rule
+from jaxspec.checkpoint import DEEPSEEK_HF_RULES, DENSE_HF_RULES, GEMMA4_HF_RULES, HYBRID_HF_RULES, Rule
 from jaxspec.config import DENSE_TYPES, ConfigError, DenseConfig, RopeConfig, TargetConfig, dense_config_from_dict, eos_ids
-from jaxspec.models import deepseek
+from jaxspec.models import deepseek, gemma4
 from jaxspec.models.dense import DenseLM
+from jaxspec.sharding import Layout
 from jaxspec.models.qwen3_next import HYBRID_TYPES, HybridConfig, HybridLM, hybrid_config_from_dict
 
 
@@ -28,6 +30,7 @@ class Family:
     module: Callable[..., Any]  # module(config, dtype=, rngs=) -> the target's nnx.Module
     hf_rules: tuple[Rule, ...]  # HF tensor name -> parameter path (GGUF files are renamed to HF names first)
     drafter_geometry: Callable[[Any], dict]  # config -> DrafterConfig fields a new drafter copies
+    head_counts: Callable[[Any], dict]  # config -> heads along each head axis (sharding never splits a head)
 
 
 def _dense_drafter_geometry(c: DenseConfig) -> dict:
@@ -43,12 +46,30 @@ def _hybrid_drafter_geometry(c: HybridConfig) -> dict:
                 rope=RopeConfig(theta=c.rope.theta), max_position_embeddings=c.max_position_embeddings)
 
 
+def _attention_heads(c) -> dict:
+    return {"q_heads": c.num_heads, "kv_heads": c.num_kv_heads}
+
+
+def _hybrid_heads(c: HybridConfig) -> dict:
+    return dict(_attention_heads(c), gdn_heads=c.linear_num_value_heads, gdn_key_heads=c.linear_num_key_heads)
+
+
 FAMILIES: tuple[Family, ...] = (
-    Family("dense", DENSE_TYPES, dense_config_from_dict, DenseLM, DENSE_HF_RULES, _dense_drafter_geometry),
+    Family("dense", DENSE_TYPES, dense_config_from_dict, DenseLM, DENSE_HF_RULES, _dense_drafter_geometry,
+           _attention_heads),
     Family("deepseek", deepseek.DEEPSEEK_TYPES, deepseek.deepseek_config_from_dict, deepseek.DeepseekLM,
-           DEEPSEEK_HF_RULES, deepseek.drafter_geometry),
-    Family("hybrid_gdn", HYBRID_TYPES, hybrid_config_from_dict, HybridLM, HYBRID_HF_RULES, _hybrid_drafter_geometry),
+           DEEPSEEK_HF_RULES, deepseek.drafter_geometry, lambda c: {"q_heads": c.num_heads}),
+    Family("hybrid_gdn", HYBRID_TYPES, hybrid_config_from_dict, HybridLM, HYBRID_HF_RULES, _hybrid_drafter_geometry,
+           _hybrid_heads),
+    Family("gemma4", gemma4.GEMMA4_TYPES, gemma4.gemma4_config_from_dict, gemma4.Gemma4LM, GEMMA4_HF_RULES,
+           gemma4.drafter_geometry, lambda c: {"q_heads": c.num_heads, "kv_heads": math.gcd(*c.kv_heads)}),
 )
+
+
+def layout(config: TargetConfig, mesh) -> Layout:
+    """How a target of `config` lies on `mesh` (a Mesh, or an AbstractMesh for planning)."""
+    family = family_of(config.model_type)
+    return Layout.of(family.name, mesh, family.head_counts(config))
 
 
 def supported_types() -> tuple[str, ...]:

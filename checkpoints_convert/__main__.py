@@ -1,0 +1,38 @@
+"""`python -m checkpoints_convert SRC OUT [--dtype float32|bfloat16] [--force]`: one `error: ...` line and exit
+status 2 for any input it cannot convert (nothing is left behind); a progress bar on stderr otherwise."""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m checkpoints_convert", description=__doc__.split(":")[0])
+    p.add_argument("src", metavar="SRC", help="HF model directory (safetensors, sharded or not) or a .gguf file")
+    p.add_argument("out", metavar="OUT", help="the converted model directory to create")
+    p.add_argument("--dtype", default="bfloat16", help="parameter dtype: float32 or bfloat16 (default bfloat16)")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    logging.getLogger("absl").setLevel(logging.ERROR)  # orbax logs its deprecations at WARNING
+    # SIGTERM unwinds like Ctrl-C, so the temporary folder is removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    from jaxspec.checkpoint import WeightsError
+    from jaxspec.config import ConfigError
+
+    from checkpoints_convert.convert import ConvertError, convert
+
+    try:
+        out = convert(args.src, args.out, args.dtype, force=args.force, progress=not args.quiet)
+    except (ConvertError, ConfigError, WeightsError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}; load it with jaxspec.load({str(out)!r}, mesh=jaxspec.make_mesh(tp=...))")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Converted models: a directory with config.json, tokenizer files and `params/`, one Orbax checkpoint of the
+family's parameter tree (written by `python -m checkpoints_convert`).
+
+The tree is flat, {dotted parameter path: array} (`layers.3.mlp.up_proj.kernel`), the same names the rule
+tables target, so a checkpoint does not depend on how NNX nests modules. Restoring reads each parameter
+straight into its target sharding (Orbax/tensorstore read only the slices a device owns), so no host ever
+holds a whole model; without a mesh every parameter lands on the default device.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import jax
+from flax import nnx
+from jax.sharding import Sharding
+
+from jaxspec.checkpoint.core import WeightsError
+
+PARAMS_DIR = "params"
+
+
+def param_key(path: tuple) -> str:
+    """An NNX state path ('layers', 3, 'mlp', 'up_proj', 'kernel') -> 'layers.3.mlp.up_proj.kernel'."""
+    return ".".join(str(p) for p in path)
+
+
+def is_converted(model_dir: Path) -> bool:
+    """Whether `model_dir` holds a converted (Orbax) model rather than HF safetensors."""
+    return (Path(model_dir) / PARAMS_DIR).is_dir()
+
+
+def restore_params(module_ctor: Callable[[], nnx.Module], model_dir: Path,
+                   sharding_of: Callable[[nnx.Variable], Sharding]) -> nnx.Module:
+    """Build `module_ctor()` abstractly and restore every parameter from `<model_dir>/params` into
+    `sharding_of(variable)`, cast to the module's dtype. WeightsError if the checkpoint lacks a parameter or
+    holds one the module does not have, or a shape differs (the config and the checkpoint disagree)."""
+    import orbax.checkpoint.experimental.v1 as ocp
+
+    graphdef, state = nnx.split(nnx.eval_shape(module_ctor))
+    flat = dict(nnx.to_flat_state(state))
+    want = {param_key(k): v for k, v in flat.items()}
+    params_dir = Path(model_dir) / PARAMS_DIR
+    try:
+        stored = ocp.metadata(params_dir).metadata
+    except Exception as e:  # orbax raises several types for a damaged or unfinished directory
+        raise WeightsError(f"{params_dir} is not a complete Orbax checkpoint ({e}); convert the model again") from e
+    _check_same_tree(want, {k: tuple(m.shape) for k, m in stored.items()}, params_dir)
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding_of(v)) for k, v in want.items()}
+    restored = ocp.load(params_dir, target)
+    for key, var in flat.items():
+        var.set_value(restored[param_key(key)])
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _check_same_tree(want: dict, stored: dict, where: Path) -> None:
+    missing, unexpected = sorted(want.keys() - stored.keys()), sorted(stored.keys() - want.keys())
+    if missing or unexpected:
+        raise WeightsError(f"{where} does not fit config.json: missing {len(missing)} parameters {missing[:3]}, "
+                           f"unexpected {len(unexpected)} {unexpected[:3]}; convert the model again")
+    for k, v in want.items():
+        if tuple(v.shape) != stored[k]:
+            raise WeightsError(f"parameter {k} is {stored[k]} in {where}, the config implies {tuple(v.shape)}")

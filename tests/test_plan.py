@@ -1,0 +1,68 @@
+"""`python -m jaxspec.plan`: per-device bytes by hand on a tiny config (sharded, replicated and packed
+parameters, caches), the real Kimi K2 config (tests/data/configs, no weights) fitting 8 x 141 GiB with its INT4
+experts and not in bf16, and one-line errors for bad input."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jaxspec.models.registry import config_from_dict
+from jaxspec.plan import GIB, main, plan, read_config, verify_scratch
+
+CONFIGS = Path(__file__).parent / "data" / "configs"
+TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=8, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+            tie_word_embeddings=False)
+
+
+def test_tiny_by_hand():
+    """tp = 4: q, o and the MLP split 4 ways; k/v (2 heads x 8 = 16 columns) and the cache stay whole, since
+    2 KV heads do not divide 4 and a head is never cut."""
+    p = plan(TINY, tp=4, budget=8, max_len=64, dtype="float32")
+    H, F, V, L = 64, 128, 256, 2
+    per_layer = (H * 64 + 64 * H + 3 * H * F) / 4 + 2 * H * 16 + 2 * H  # q, o, mlp split; k, v, norms whole
+    assert p.weights == (2 * V * H / 4 + H + L * per_layer) * 4
+    assert p.cache == L * 2 * (1 * 2 * 64 * 8) * 4 + 8  # k and v [B, KVH, T, D] float32, replicated; int32 header
+    q8 = plan(TINY, tp=4, budget=8, max_len=64, dtype="float32", quantize="int8")
+    split = [(H, 64), (64, H), (H, F), (H, F), (F, H)]  # [in, out]: 1 byte + a bf16 scale per column
+    whole = [(H, 16), (H, 16)]  # k, v
+    int8_layer = sum(i * o + 2 * o for i, o in split) / 4 + sum(i * o + 2 * o for i, o in whole) + 2 * H * 4
+    assert q8.weights == (2 * V * H / 4 + H) * 4 + L * int8_layer and q8.cache == p.cache  # embedding, head unpacked
+
+
+def test_kimi_k2_int4_fits_bf16_does_not():
+    kimi = read_config(CONFIGS / "kimi_k2_thinking_int4.json")
+    int4 = plan(kimi, tp=8, budget=64, max_len=32768, hbm_gib=141)
+    bf16 = plan({**kimi, "quantization_config": None}, tp=8, budget=64, max_len=32768)  # same module: built once
+    assert int4.fits and 60 * GIB < int4.weights < 80 * GIB  # ~553 GiB checkpoint / 8, routed experts split 8 ways
+    assert not bf16.fits and bf16.weights > 230 * GIB  # 1912 GiB / 8
+    assert int4.cache == bf16.cache and 2 * GIB < int4.cache < 2.3 * GIB  # MLA latents, replicated: 68.6 KiB x 32768
+
+
+def test_gdn_verify_scratch_matches_readme():
+    """README "Hybrid GDN in a tree" (bench/budget_sweep.py), Qwen3.6-27B at budget 64, unsharded: 3.3 MiB per GDN
+    layer kept for the commit, 159 MiB over its 48 GDN layers, and 0.8 MiB per [N, N, Hv] float32 array."""
+    cfg = config_from_dict(read_config(CONFIGS / "qwen3_6_27b.json"))
+    gdn = verify_scratch(cfg, tp=1, budget=64, max_len=32768, batch=1, itemsize=2)["gdn"]
+    nn_hv = 65 * 65 * 48 * 4
+    assert abs(nn_hv / 2**20 - 0.8) < 0.05
+    assert abs((gdn - 4 * nn_hv) / 2**20 - 159) < 1 and abs((gdn - 4 * nn_hv) / 48 / 2**20 - 3.3) < 0.05
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["missing_dir"], "missing_dir not found"),
+    ([str(CONFIGS / "gemma3_27b.json"), "--tp", "0"], "--tp must be a positive integer"),
+    ([str(CONFIGS / "gemma3_27b.json"), "--quantize", "int2"], "unsupported --quantize 'int2'"),
+])
+def test_bad_input(argv, words, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and words in err, err
+
+
+def test_unsupported_model_type(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, "model_type": "mamba"}))
+    assert main([str(tmp_path)]) == 2
+    assert "unsupported model_type 'mamba'" in capsys.readouterr().err

@@ -1,0 +1,163 @@
+"""Sharding over 8 fake CPU devices (conftest.py asks XLA for 8): every family generates the same tokens
+sharded (tp = 8, and dp x tp = 2 x 4) as on one device, with AR, DFlash and DDTree; caches stay sharded like
+their layers; the sharded loops lower for the `cuda` platform; bad meshes get clear errors."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxspec
+from jaxspec import engine
+from jaxspec.config import dense_config_from_dict
+from jaxspec.models.deepseek import deepseek_config_from_dict
+from jaxspec.models.gemma4 import gemma4_config_from_dict
+from jaxspec.models.qwen3_next import hybrid_config_from_dict
+from jaxspec.sampling import SamplingParams
+from jaxspec.sharding import Layout
+from jaxspec.testing import oracle_drafter
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices: see conftest.py")
+
+# Heads chosen so tp = 4 shards K/V by head and tp = 8 must replicate it (4 KV heads): both paths run.
+BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+            num_key_value_heads=4, head_dim=8, max_position_embeddings=512)
+TARGETS = {
+    "llama": lambda: dense_config_from_dict({**BASE, "model_type": "llama"}),
+    "deepseek_v3": lambda: deepseek_config_from_dict(dict(
+        BASE, model_type="deepseek_v3", moe_intermediate_size=32, first_k_dense_replace=1, q_lora_rank=32,
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=4, topk_group=2)),
+    "qwen3_next": lambda: hybrid_config_from_dict(dict(
+        BASE, model_type="qwen3_next", num_hidden_layers=3, full_attention_interval=3, linear_num_key_heads=4,
+        linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})),
+    # full layers: 2 KV heads of 16 (k_eq_v), replicated at tp = 4 and 8; layer 3 reads layer 1's K/V; PLE; MoE
+    "gemma4": lambda: gemma4_config_from_dict(dict(
+        BASE, model_type="gemma4_text", num_hidden_layers=4, global_head_dim=16, num_global_key_value_heads=4,
+        attention_k_eq_v=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
+        num_kv_shared_layers=1, hidden_size_per_layer_input=8, vocab_size_per_layer_input=128,
+        enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=16,
+        final_logit_softcapping=30.0)),
+}
+MESHES = {"tp8": (8, 1), "dp2xtp4": (4, 2)}
+PROMPT = [int(t) for t in np.random.RandomState(1).randint(0, 128, 11)]
+NEW = 24
+
+
+@functools.cache
+def target(name: str):
+    m = jaxspec.random_model(TARGETS[name](), seed=5)
+    m.params = jax.tree.map(lambda x: x * 2.0, m.params)  # peaked logits: no near-ties for a reordered sum to flip
+    return m
+
+
+@functools.cache
+def reference(name: str):
+    """One-device greedy tokens: a single prompt, and a left-padded batch of two."""
+    m = target(name)
+    single = jaxspec.generate(m, input_ids=PROMPT, method="ar", max_new_tokens=NEW).token_ids
+    batch = jaxspec.generate(m, input_ids=[PROMPT, PROMPT[3:]], method="ar", max_new_tokens=NEW).token_ids
+    return single, batch
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_same_tokens_sharded(name, mesh):
+    single, batch = reference(name)
+    tp, dp = MESHES[mesh]
+    m = target(name).on_mesh(jaxspec.make_mesh(tp=tp, dp=dp))
+    assert jaxspec.generate(m, input_ids=[PROMPT, PROMPT[3:]], method="ar", max_new_tokens=NEW).token_ids == batch
+    d = oracle_drafter(m, PROMPT + single, noise=0.3, block_size=5)
+    r = jaxspec.generate(m, input_ids=PROMPT, drafter=d, method="ddtree", budget=8, max_new_tokens=NEW)
+    assert r.token_ids == single and r.stats["acceptance_length"] > 2.0
+    if mesh != "tp8":
+        return  # the DFlash drafter's layers shard by the same rules as dense targets: one mesh suffices
+    d = jaxspec.init_drafter(m, num_layers=1, block_size=4)  # a real DFlash drafter, placed on the target's mesh
+    assert jaxspec.generate(m, input_ids=PROMPT, drafter=d, method="dflash", max_new_tokens=NEW).token_ids == single
+
+
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_params_and_caches_are_sharded(name):
+    """Parameters lie on their shards; the caches a prefill returns are pinned to the same rules."""
+    m = target(name).on_mesh(jaxspec.make_mesh(tp=4, dp=2))
+    embed = m.params["embed_tokens"][...]
+    assert embed.sharding.spec == P("tp", None) and embed.addressable_shards[0].data.shape == (32, 64)
+    state = engine.ar_prefill(m.graphdef, m.params, jnp.zeros((2, 16), jnp.int32), jnp.zeros((2,), jnp.int32),
+                              jax.random.key(0), jnp.int32(4), max_len=64, out_len=8, sampling=SamplingParams(),
+                              eos=(-1,), layout=m.layout)
+    want = m.layout.cache_shardings(state.cache)
+    for leaf, sharding in zip(jax.tree.leaves(state.cache), jax.tree.leaves(want), strict=True):
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.shape, leaf.sharding, sharding)
+    specs = {tuple(leaf.sharding.spec) for leaf in jax.tree.leaves(state.cache.layers)}
+    assert any("tp" in s for s in specs) or name == "deepseek_v3"  # MLA latents: by batch, replicated over tp
+    assert all(s[0] == "dp" for s in specs)  # every buffer is split by batch
+
+
+def test_layout_rules():
+    mesh = jaxspec.make_mesh(tp=4, dp=2)
+    lay = Layout.of("deepseek", mesh)
+    assert lay.spec(("embed", "q_heads"), (64, 64)) == P(None, "tp")
+    assert lay.spec(("batch", "kv_heads", "seq", "head_dim"), (2, 2, 16, 8)) == P("dp", None, None, None)  # 2 % 4
+    assert lay.spec(("experts", "embed", "ffn"), (8, 64, 32)) == P("tp", None, None)  # tp used once per array
+    assert lay.spec(("batch", "seq", "latent"), (2, 16, 24)) == P("dp", None, None)
+    heads = Layout.of("dense", mesh, {"q_heads": 8, "kv_heads": 2})  # 2 KV heads of 8 dims: 16 columns
+    assert heads.spec(("embed", "kv_heads"), (64, 16)) == P(None, None)  # 16 % 4 == 0, but a head is never cut
+    assert heads.spec(("embed", "q_heads"), (64, 64)) == P(None, "tp")
+    with pytest.raises(ValueError, match="gdn_heads"):
+        lay.spec(("gdn_heads",), (8,))
+    with pytest.raises(ValueError, match="no sharding rules"):
+        Layout.of("nope", mesh)
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        jaxspec.make_mesh(tp=8, dp=2)
+    with pytest.raises(ValueError, match="tp must be a positive integer"):
+        jaxspec.make_mesh(tp=0)
+
+
+def test_drafter_on_other_devices_is_refused():
+    m = target("llama")
+    d = jaxspec.init_drafter(m, num_layers=1, block_size=4)  # one device
+    sharded = m.on_mesh(jaxspec.make_mesh(tp=8))
+    with pytest.raises(ValueError, match="different devices"):
+        jaxspec.generate(sharded, input_ids=PROMPT, drafter=d, max_new_tokens=4)
+    with pytest.raises(ValueError, match="runs on one device"):
+        jaxspec.generate(sharded, input_ids=PROMPT, drafter=d, max_new_tokens=4, kv_impl="pallas")
+
+
+@pytest.mark.parametrize("name", list(TARGETS))
+def test_sharded_loops_lower_for_cuda(name):
+    """Prefill, AR decode and the speculative loop of each family, sharded over 8 devices, lower for the GPU
+    (jax.export on this CPU-only machine): nothing CPU-only hides in the GPU path."""
+    m = target(name).on_mesh(jaxspec.make_mesh(tp=8))
+    d = jaxspec.init_drafter(m, num_layers=1, block_size=4)
+    export = lambda f, *a, **k: jax.export.export(f, platforms=("cuda",))(*a, **k)  # noqa: E731
+    sp, eos = SamplingParams(0.7, 5, 0.9), (1,)
+    toks, key, n = jnp.zeros((1, 16), jnp.int32), jax.random.key(0), jnp.int32(8)
+    ar = export(engine.ar_prefill, m.graphdef, m.params, toks, jnp.zeros((1,), jnp.int32), key, n, max_len=64,
+                out_len=8, sampling=sp, eos=eos, layout=m.layout)
+    state = engine.ar_prefill(m.graphdef, m.params, toks, jnp.zeros((1,), jnp.int32), key, n, max_len=64,
+                              out_len=8, sampling=sp, eos=eos, layout=m.layout)
+    dec = export(engine.ar_decode, m.graphdef, m.params, state, n, sampling=sp, eos=eos, layout=m.layout)
+    settings = engine.SpecSettings("ddtree", 8, 4, d.config.target_layer_ids, sp, eos, "xla", m.layout, d.layout)
+    args = (m.graphdef, m.params, d.graphdef, d.params)
+    spec_state = engine.spec_prefill(*args, toks, jnp.int32(11), key, n, max_len=64, out_len=16, settings=settings)
+    spec = export(engine.spec_decode, *args, spec_state, n, settings=settings)
+    for exp in (ar, dec, spec):
+        assert exp.platforms == ("cuda",) and exp.nr_devices == 8
+        assert "stablehlo" in exp.mlir_module()
+
+
+def test_load_into_mesh(tiny_hf):
+    """jaxspec.load(path, mesh=) streams every tensor into its shards: same logits as a one-device load."""
+    _, path = tiny_hf("llama")
+    one = jaxspec.load(path, tokenizer=False)
+    sharded = jaxspec.load(path, mesh=jaxspec.make_mesh(tp=4, dp=2), tokenizer=False)
+    q = sharded.params["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
+    assert q.sharding.spec == P(None, "tp") and len(q.addressable_shards) == 8
+    ids = np.array([PROMPT, PROMPT[::-1]])
+    np.testing.assert_allclose(sharded.logits(ids), one.logits(ids), rtol=1e-5, atol=1e-5)
