@@ -72,6 +72,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    p.add_argument("--quantize", choices=("int8", "int4", "native"), default=None,
+                   help="keep weights packed: int8 (per channel), int4 (groups of 32), native (a GGUF's Q4_0/Q4_1/Q8_0)")
     p.add_argument("--drafter", metavar="DIR", help="DFlash drafter directory (z-lab layout)")
     p.add_argument("--method", choices=("auto",) + api.METHODS, default="auto",
                    help="auto = ddtree with a drafter, else ar")
@@ -145,7 +147,7 @@ def run(args) -> None:
     drafter_path = args.drafter or default_drafter(model_path)
     check_args(args, drafter_path)
     prompt = read_prompt(args)
-    model = load(model_path, dtype=args.dtype)
+    model = load(model_path, dtype=args.dtype, quantize=args.quantize)
     if model.tokenizer is None:
         raise UsageError(f"{model_path} has no tokenizer; the CLI needs tokenizer files beside the weights")
     drafter = load_drafter(drafter_path, model) if drafter_path and args.method != "ar" else None

@@ -1,6 +1,7 @@
 """The user-facing model handle and `jaxspec.load`."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -13,9 +14,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxspec.checkpoint import WeightsError, load_params, read_gguf, read_safetensors
-from jaxspec.checkpoint.compressed_tensors import maybe_dequantize
+from jaxspec.checkpoint.compressed_tensors import maybe_dequantize, packed_schemes
+from jaxspec.checkpoint.core import rule_target
+from jaxspec.checkpoint.gguf import native_schemes
 from jaxspec.checkpoint.orbax import is_converted, restore_params
 from jaxspec.config import ConfigError, TargetConfig
+from jaxspec.models import quant
 from jaxspec.models.registry import Family, config_from_dict, family_of, load_config
 from jaxspec.models.registry import layout as registry_layout
 from jaxspec.segment import Segment
@@ -53,7 +57,7 @@ class Model:
 
     @property
     def dtype(self):
-        return self.params["embed_tokens"][...].dtype
+        return self.module.embed_tokens.dtype
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -101,22 +105,34 @@ def random_model(config: TargetConfig, *, seed: int = 0, dtype="float32", tokeni
     return model if mesh is None else model.on_mesh(mesh)
 
 
-def load(path, dtype="float32", *, mesh: Mesh | None = None, tokenizer: bool = True) -> Model:
+def load(path, dtype="float32", *, mesh: Mesh | None = None, tokenizer: bool = True,
+         quantize: str | None = None) -> Model:
     """Load a target from a HF directory (config.json + safetensors [+ index]), a .gguf file, or a directory
     converted by `python -m checkpoints_convert` (Orbax parameters).
 
-    mesh (jaxspec.make_mesh): each tensor goes straight into its shards as it is read."""
+    mesh (jaxspec.make_mesh): each tensor goes straight into its shards as it is read.
+    quantize: None keeps every weight float (`dtype`); "int8" (one scale per output channel) and "int4" (one
+    scale per 32 inputs), both round-to-nearest symmetric, pack every projection, the stacked experts and the
+    token embedding (tied LM head) as they load; routers and norms stay float. "native" keeps a GGUF's
+    Q4_0 / Q4_1 / Q8_0 tensors as stored (other GGUF types load as float). A compressed-tensors INT4
+    checkpoint (Kimi) keeps its packed weights as stored under any `quantize`, and dequantises them under
+    None. See jaxspec/models/quant.py."""
+    quant.check_quantize(quantize)
     path = Path(path)
     dt = parse_dtype(dtype)
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist; pass a HF model directory or a .gguf file")
     if path.is_file() and path.suffix == ".gguf":
-        hf_cfg, tensors = read_gguf(path)
+        hf_cfg, tensors = read_gguf(path, native=quantize == "native")
         cfg = config_from_dict(hf_cfg)
         layout = _layout(cfg, mesh)
-        module = _build(cfg, tensors, dt, layout)
+        native = native_schemes(path) if quantize == "native" else {}
+        module = _build(cfg, tensors, dt, layout, quantize, native)
         tok = _tokenizer(path.parent, gguf_file=path.name) if tokenizer else None
     elif path.is_dir() and is_converted(path):  # python -m checkpoints_convert: Orbax, restored into the shards
+        if quantize is not None:
+            raise ValueError(f"{path} is a converted checkpoint, restored as stored; quantize={quantize!r} applies "
+                             "to HF directories and .gguf files (convert from the source instead)")
         cfg = load_config(path)
         layout = _layout(cfg, mesh)
         ctor = lambda: family_of(cfg.model_type).module(cfg, dtype=dt, rngs=nnx.Rngs(0))  # noqa: E731
@@ -125,7 +141,12 @@ def load(path, dtype="float32", *, mesh: Mesh | None = None, tokenizer: bool = T
     elif path.is_dir():
         cfg = load_config(path)
         layout = _layout(cfg, mesh)
-        module = _build(cfg, maybe_dequantize(path, read_safetensors(path)), dt, layout)
+        stored = packed_schemes(path) if quantize is not None else {}
+        if quantize == "native" and not stored:
+            raise ValueError(f"quantize='native' keeps a checkpoint's own packing, and {path} has none "
+                             "(no pack-quantized quantization_config); use quantize='int8' or 'int4'")
+        tensors = maybe_dequantize(path, read_safetensors(path), keep_packed=quantize is not None)
+        module = _build(cfg, tensors, dt, layout, quantize, stored)
         tok = _tokenizer(path) if tokenizer else None
     else:
         raise ConfigError(f"{path} is neither a model directory nor a .gguf file")
@@ -143,12 +164,51 @@ def _sharding(layout: Layout | None, var: nnx.Variable) -> jax.sharding.Sharding
     return layout.sharding(var.get_metadata()["out_sharding"], var.shape)
 
 
-def _build(cfg: TargetConfig, tensors, dtype, layout: Layout | None = None) -> nnx.Module:
-    """The family's module for `cfg`, filled from `tensors` through the family's name table (straight into
-    each parameter's shards when there is a layout)."""
+def quantize_model(model: Model, quantize: str) -> Model:
+    """A copy of a float `model` with its weights packed on the fly ("int8" or "int4", as in `load`), on one
+    device (load with `mesh=` and `quantize=` for a sharded packed model)."""
+    quant.check_quantize(quantize)
+    if quantize not in ("int8", "int4"):
+        raise ValueError(f"quantize_model packs float weights: use 'int8' or 'int4', not {quantize!r}")
+    module = model.module
+    module = quant.pack_module(module, quant.linear_plan(module, _scheme(quantize)), fill=True)
+    return Model.from_module(module, model.tokenizer, source=f"{model.source} ({quantize})")
+
+
+def _scheme(quantize: str) -> quant.Scheme:
+    return quant.Scheme(8, None) if quantize == "int8" else quant.Scheme(4, quant.INT4_GROUP)
+
+
+def _build(cfg: TargetConfig, tensors, dtype, layout: Layout | None = None, quantize: str | None = None,
+           native: dict | None = None) -> nnx.Module:
+    """The family's module for `cfg` (with packed parameters where `quantize` asks), filled from `tensors`
+    through the family's name table (straight into each parameter's shards when there is a layout).
+    native: HF tensor name -> Scheme of the tensors that arrive packed (they keep their own packing; with
+    int8 / int4 the other weights are quantised on the fly)."""
     family = family_of(cfg.model_type)
+    stored = {}
+    for name, scheme in (native or {}).items():
+        target = rule_target(name, family.hf_rules)
+        if target is not None:  # an embedding table is [out, in] already; kernels and stacked experts are transposed
+            stored[target] = dataclasses.replace(scheme, transposed=target != "embed_tokens")
+    if quantize in ("int8", "int4"):
+        plans = lambda m: quant.linear_plan(m, _scheme(quantize)) | stored  # noqa: E731
+    else:
+        plans = lambda m: stored  # noqa: E731
+    made: dict[str, quant.Scheme] = {}  # the plan of the module built, for packing float tensors
+
+    def ctor():
+        m = family.module(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+        made.update(plans(m))
+        return quant.pack_module(m, made)
+
+    def pack(path: str, w: np.ndarray) -> quant.PackedTensor:
+        """A float tensor (after its rule's transform) for packed parameter `path`, quantised to its scheme."""
+        scheme = made[path]
+        return quant.quantize(np.swapaxes(w, -1, -2) if scheme.transposed else w, scheme)
+
     put = None if layout is None else (lambda arr, var, path: place(arr, layout.sharding(var.get_metadata()["out_sharding"], arr.shape)))
-    return load_params(lambda: family.module(cfg, dtype=dtype, rngs=nnx.Rngs(0)), tensors, family.hf_rules, place=put)
+    return load_params(ctor, tensors, family.hf_rules, pack=pack, place=put)
 
 
 def _tokenizer(model_dir: Path, gguf_file: str | None = None):
@@ -172,4 +232,4 @@ def _tokenizer(model_dir: Path, gguf_file: str | None = None):
         raise WeightsError(f"cannot load the tokenizer from {model_dir}: {e}") from e
 
 
-__all__ = ["Model", "load", "random_model", "WeightsError", "ConfigError"]
+__all__ = ["Model", "load", "quantize_model", "random_model", "WeightsError", "ConfigError"]

@@ -81,3 +81,35 @@ def test_incomplete_triple_is_reported():
              ("m.experts.0.up_proj.weight_shape", np.array([2, 32]))]
     with pytest.raises(WeightsError, match="lacks weight_scale"):
         list(dequantize_pack_quantized(parts, GROUP))
+
+
+def test_int4_experts_stay_packed_when_quantize_is_set(tmp_path):
+    """quantize='native': the INT4 experts fill packed parameters as stored (no dequantisation), the rest stays
+    float; the logits equal the dequantised load's."""
+    from test_deepseek import build_hf
+
+    from jaxspec.models.quant import Packed
+
+    hf = build_hf("kimi")
+    hf.save_pretrained(tmp_path / "src")
+    tensors = load_file(str(tmp_path / "src" / "model.safetensors"))
+    out = {}
+    for name, w in tensors.items():
+        if ".mlp.experts." in name:
+            q, scale = quantize(w)
+            p = name.removesuffix(".weight")
+            out.update({f"{p}.weight_packed": pack_int4(q), f"{p}.weight_scale": scale,
+                        f"{p}.weight_shape": np.asarray(w.shape, np.int64)})
+        else:
+            out[name] = w
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    (tmp_path / "int4").mkdir()
+    save_file(out, str(tmp_path / "int4" / "model.safetensors"))
+    (tmp_path / "int4" / "config.json").write_text(json.dumps({**config, "quantization_config": QUANT}))
+    a = jm.load(tmp_path / "int4", tokenizer=False)
+    b = jm.load(tmp_path / "int4", tokenizer=False, quantize="native")
+    experts = b.module.layers[config["first_k_dense_replace"]].mlp.experts
+    assert isinstance(experts.up_proj, Packed) and experts.up_proj.codes[...].min() >= -8
+    assert not isinstance(b.module.layers[0].self_attn.o_proj.kernel, Packed)
+    ids = np.random.default_rng(0).integers(0, 128, (1, 9))
+    np.testing.assert_allclose(a.logits(ids), b.logits(ids), rtol=0, atol=1e-4)

@@ -1,4 +1,5 @@
-"""compressed-tensors `pack-quantized` INT4 weights (Kimi K2-Thinking, K2.5, K2.6 routed experts), dequantised on load.
+"""compressed-tensors `pack-quantized` INT4 weights (Kimi K2-Thinking, K2.5, K2.6 routed experts): kept packed, or
+dequantised on load.
 
 Each quantised Linear `<p>.weight` is stored as three tensors: `<p>.weight_packed` int32 [out, in/8] (eight
 4-bit values per word, least significant nibble first, stored with offset 8), `<p>.weight_scale` [out, in/g]
@@ -6,8 +7,11 @@ Each quantised Linear `<p>.weight` is stored as three tensors: `<p>.weight_packe
 `dequantize_pack_quantized` wraps a tensor stream and turns each complete triple into `<p>.weight` =
 (q - 8) * scale, so the family's name table sees plain HF names; every other tensor passes through.
 
-This makes small INT4 checkpoints loadable and testable. It is not how a real Kimi K2 runs: dequantised to
-bf16 its experts need ~1.9 TiB, so a packed INT4 expert parameter (kept packed on device) is the next step.
+With `jaxspec.load(..., quantize=...)` set (any value) the triples stay packed instead
+(`packed`): `<p>.weight` arrives as a `PackedTensor` (codes q - 8 as int8 [out, in], the scales widened to
+float32) and fills a packed parameter, never a float one. That is how a real Kimi K2 fits: dequantised to
+bf16 its experts need ~1.9 TiB. Without `quantize` they are dequantised (small checkpoints, tests);
+requantising an INT4 checkpoint to int8 would only lose precision, so `int8` keeps them as stored too.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import numpy as np
 
 from jaxspec.checkpoint.core import WeightsError
 from jaxspec.checkpoint.fp8 import dequantize_fp8_blocks, fp8_block_size
+from jaxspec.models.quant import PackedTensor, Scheme
 
 _PARTS = ("weight_packed", "weight_scale", "weight_shape")
 
@@ -60,9 +65,23 @@ def dequantize(packed: np.ndarray, scale: np.ndarray, shape, group_size: int) ->
     return q * np.repeat(scale.astype(np.float32), group_size, axis=1)[:, :cols]
 
 
-def dequantize_pack_quantized(tensors: Iterable[tuple[str, np.ndarray]], group_size: int) -> Iterator[tuple[str, np.ndarray]]:
+def packed(packed_words: np.ndarray, scale: np.ndarray, shape, group_size: int) -> PackedTensor:
+    """One quantised Linear's triple -> PackedTensor [out, in] (codes in [-8, 7], one scale per group)."""
+    out, cols = (int(s) for s in np.asarray(shape).reshape(-1))
+    if cols % group_size:
+        raise WeightsError(f"a packed weight with {cols} inputs is not a whole number of groups of {group_size}; "
+                           "load it with quantize=None")
+    if packed_words.shape != (out, -(-cols // 8)) or scale.shape != (out, cols // group_size):
+        raise WeightsError(f"packed {packed_words.shape} / scale {scale.shape} do not fit weight_shape {(out, cols)} "
+                           f"with group_size {group_size}")
+    return PackedTensor(unpack_int4(packed_words, cols), scale.astype(np.float32))
+
+
+def dequantize_pack_quantized(tensors: Iterable[tuple[str, np.ndarray]], group_size: int, *,
+                              keep_packed: bool = False) -> Iterator[tuple[str, np.ndarray]]:
     """Pass tensors through, replacing each complete (weight_packed, weight_scale, weight_shape) triple by its
-    float32 `.weight` as soon as its last part arrives (shards may split a triple, so parts wait by prefix)."""
+    float32 `.weight` (a `PackedTensor` if keep_packed) as soon as its last part arrives (shards may split a
+    triple, so parts wait by prefix)."""
     waiting: dict[str, dict[str, np.ndarray]] = {}
     for name, arr in tensors:
         prefix, _, part = name.rpartition(".")
@@ -73,19 +92,44 @@ def dequantize_pack_quantized(tensors: Iterable[tuple[str, np.ndarray]], group_s
         parts[part] = arr
         if len(parts) == len(_PARTS):
             del waiting[prefix]
-            yield f"{prefix}.weight", dequantize(parts["weight_packed"], parts["weight_scale"], parts["weight_shape"],
-                                                 group_size)
+            join = packed if keep_packed else dequantize
+            yield f"{prefix}.weight", join(parts["weight_packed"], parts["weight_scale"], parts["weight_shape"],
+                                           group_size)
     if waiting:
         prefix, parts = next(iter(waiting.items()))
         missing = [p for p in _PARTS if p not in parts]
         raise WeightsError(f"quantised weight {prefix!r} lacks {', '.join(missing)}; the checkpoint is incomplete")
 
 
-def maybe_dequantize(model_dir: Path, tensors: Iterable[tuple[str, np.ndarray]]) -> Iterable[tuple[str, np.ndarray]]:
-    """The tensor stream of a HF directory, dequantised if its config.json says pack-quantized or fp8."""
-    d = json.loads((Path(model_dir) / "config.json").read_text())
-    block = fp8_block_size(d.get("quantization_config"))
+def maybe_dequantize(model_dir: Path, tensors: Iterable[tuple[str, np.ndarray]], *,
+                     keep_packed: bool = False) -> Iterable[tuple[str, np.ndarray]]:
+    """The tensor stream of a HF directory, dequantised if its config.json says fp8; its pack-quantized
+    triples (if it says so) joined into float `.weight`s, or into `PackedTensor`s if keep_packed."""
+    q = _quantization_config(model_dir)
+    block = fp8_block_size(q)
     if block is not None:
         return dequantize_fp8_blocks(tensors, block)
-    group_size = pack_quantized_group_size(d.get("quantization_config"))
-    return tensors if group_size is None else dequantize_pack_quantized(tensors, group_size)
+    group_size = pack_quantized_group_size(q)
+    return tensors if group_size is None else dequantize_pack_quantized(tensors, group_size, keep_packed=keep_packed)
+
+
+def packed_schemes(model_dir: Path) -> dict[str, Scheme]:
+    """HF name (`<p>.weight`) -> Scheme of every pack-quantized weight of a HF directory (from the shards'
+    tensor names only: nothing is read); empty if the checkpoint is not pack-quantized (fp8 is dequantised)."""
+    from safetensors import safe_open
+
+    from jaxspec.checkpoint.safetensors import safetensors_files
+
+    q = _quantization_config(model_dir)
+    group_size = None if fp8_block_size(q) is not None else pack_quantized_group_size(q)
+    if group_size is None:
+        return {}
+    out = {}
+    for f in safetensors_files(Path(model_dir)):
+        with safe_open(str(f), framework="numpy") as st:
+            out.update({n.removesuffix("_packed"): Scheme(4, group_size) for n in st.keys() if n.endswith(".weight_packed")})
+    return out
+
+
+def _quantization_config(model_dir: Path) -> dict | None:
+    return json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config")

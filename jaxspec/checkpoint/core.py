@@ -5,6 +5,12 @@ core knows no model: a new family adds a table, never a branch here. The module 
 `nnx.eval_shape` (no memory for random weights) and each parameter is placed on device as soon as it is
 complete, so a checkpoint is never held twice; only a stacked parameter (MoE experts, [E, ...]) waits on
 the host until its last slice arrives.
+
+Packed weights (`jaxspec.models.quant`): a parameter the module holds packed (its parts `<path>.codes`,
+`.scale` [, `.offset`]) takes either a `PackedTensor` from the reader (GGUF Q4_0/Q4_1/Q8_0, compressed-tensors
+INT4: already in the packed [out, in] layout, so a Linear's transpose is skipped) or a float tensor, which
+the caller's `pack(path, array)` quantises on the way in. A `PackedTensor` for a float parameter is
+dequantised. So a checkpoint is never dequantised into a packed model, nor held as float beside it.
 """
 from __future__ import annotations
 
@@ -16,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from jaxspec.models.quant import PackedTensor
 
 
 class WeightsError(ValueError):
@@ -47,15 +55,26 @@ class Rule:
     optional: bool = False
 
 
+def rule_target(name: str, rules: Iterable[Rule]) -> str | None:
+    """The parameter path tensor `name` fills through the first matching rule (a stacked parameter's whole
+    path), or None when no rule maps it or its rule ignores it."""
+    for r in rules:
+        if (m := re.fullmatch(r.pattern, name)) is not None:
+            return None if r.target is None else r.target.format(*m.groups())
+    return None
+
+
 def load_params(module_ctor: Callable[[], nnx.Module], tensors: Iterable[tuple[str, np.ndarray]],
                 rules: Iterable[Rule], *, what: str = "checkpoint",
+                pack: Callable[[str, np.ndarray], PackedTensor] | None = None,
                 place: Callable[[np.ndarray, nnx.Variable, str], Any] | None = None) -> nnx.Module:
     """Build `module_ctor()` abstractly and fill every parameter from `tensors` through the first matching rule.
 
     Each tensor is cast once, straight to its parameter's dtype; a non-floating parameter (packed INT4/INT8)
     takes a tensor of exactly its dtype, untouched. Raises WeightsError on a name no rule maps, a shape or
     dtype that does not fit, a parameter filled twice, and on any parameter (or stacked slice) left empty.
-    `what` names the source in the messages ("drafter checkpoint"). `place(host_array, variable, path)` takes
+    `what` names the source in the messages ("drafter checkpoint"); `pack(path, array)` packs a float tensor
+    (after its rule's transform) for a packed parameter. `place(host_array, variable, path)` takes
     each complete parameter (already cast) and returns what the module keeps: a device array (default: on
     device 0), straight into its shards on a mesh, or, for a converter that writes it out, its abstract shape.
     """
@@ -74,35 +93,36 @@ def load_params(module_ctor: Callable[[], nnx.Module], tensors: Iterable[tuple[s
         if rule.target is None:
             continue
         path = rule.target.format(*m.groups())
-        if path not in by_path:
+        packed = f"{path}.codes" in by_path
+        if path not in by_path and not packed:
             if rule.optional:
                 continue
             raise _unexpected(name, what)
-        var = flat[by_path[path]]
-        if rule.transform is not None:
+        if isinstance(arr, PackedTensor) and not packed:
+            arr = arr.dequantize()  # a packed tensor for a float parameter (a type the model keeps float)
+        if isinstance(arr, PackedTensor):
+            if rule.transform not in (None, linear_kernel):
+                raise WeightsError(f"tensor {name!r} is packed but its rule transforms it ({rule.transform.__name__}); "
+                                   "load it with quantize=None")
+        elif rule.transform is not None:
             arr = rule.transform(arr)
-        _check_dtype(name, path, arr.dtype, var.dtype)
-        if rule.stack is None:
-            _check_shape(name, arr.shape, var.shape)
-            _fill_once(filled, path, name)
-            var.set_value(place(np.asarray(arr, dtype=var.dtype), var, path))
-            del arr  # before the reader allocates the next tensor: one checkpoint tensor alive at a time
-            continue
-        e, E = int(m.group(rule.stack + 1)), var.shape[0]
-        _check_shape(name, arr.shape, var.shape[1:])
-        if not 0 <= e < E:
-            raise WeightsError(f"tensor {name!r} is slice {e} of {path}, which has {E} slices; "
-                               "is config.json from the same model?")
-        _fill_once(filled, f"{path}[{e}]", name)
-        if path not in stacks:  # the first slice allocates the stack, [E, ...], on the host
-            stacks[path] = [np.empty(var.shape, var.dtype), 0]
-        stack = stacks[path]
-        stack[0][e] = arr  # the one cast, straight into the parameter's dtype
-        del arr
-        stack[1] += 1
-        if stack[1] == E:
-            var.set_value(place(stacks.pop(path)[0], var, path))
-            filled[path] = name
+        if packed:
+            if not isinstance(arr, PackedTensor):
+                if pack is None:
+                    raise WeightsError(f"parameter {path} is packed but {name!r} is a float tensor and no packing was asked for")
+                arr = pack(path, arr)
+            want = {k.rsplit(".", 1)[1] for k in by_path if k.rsplit(".", 1)[0] == path}
+            if set(arr.parts()) != want:
+                raise WeightsError(f"tensor {name!r} is packed as {sorted(arr.parts())}, but parameter {path} "
+                                   f"holds {sorted(want)}; the checkpoint's quantisation differs from the model's")
+            parts = [(f"{path}.{k}", a) for k, a in arr.parts().items()]
+        else:
+            parts = [(path, arr)]
+        del arr  # before the reader allocates the next tensor: one checkpoint tensor alive at a time
+        while parts:
+            part, a = parts.pop(0)
+            _put(name, part, a, flat[by_path[part]], rule.stack, m, filled, stacks, place)
+            del a
 
     missing = []
     for path, key in by_path.items():
@@ -115,6 +135,31 @@ def load_params(module_ctor: Callable[[], nnx.Module], tensors: Iterable[tuple[s
         raise WeightsError(f"{what} is missing {n} tensor{'s' * (n > 1)}, e.g. {sorted(missing)[0]!r}; "
                            "the file may be truncated")
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _put(name: str, path: str, arr: np.ndarray, var, stack: int | None, m: re.Match, filled: dict, stacks: dict,
+         place) -> None:
+    """Place one array into parameter `path` (a whole parameter, or slice e of a stacked one)."""
+    _check_dtype(name, path, arr.dtype, var.dtype)
+    if stack is None:
+        _check_shape(name, arr.shape, var.shape)
+        _fill_once(filled, path, name)
+        var.set_value(place(np.asarray(arr, dtype=var.dtype), var, path))
+        return
+    e, E = int(m.group(stack + 1)), var.shape[0]
+    _check_shape(name, arr.shape, var.shape[1:])
+    if not 0 <= e < E:
+        raise WeightsError(f"tensor {name!r} is slice {e} of {path}, which has {E} slices; "
+                           "is config.json from the same model?")
+    _fill_once(filled, f"{path}[{e}]", name)
+    if path not in stacks:  # the first slice allocates the stack, [E, ...], on the host
+        stacks[path] = [np.empty(var.shape, var.dtype), 0]
+    buf = stacks[path]
+    buf[0][e] = arr  # the one cast, straight into the parameter's dtype
+    buf[1] += 1
+    if buf[1] == E:
+        var.set_value(place(stacks.pop(path)[0], var, path))
+        filled[path] = name
 
 
 def _check_dtype(name: str, path: str, got, want) -> None:

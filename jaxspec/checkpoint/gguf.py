@@ -3,6 +3,12 @@
 Each supported GGUF architecture is a `GGUFArch` row: the HF model_type it becomes, where its tensor names
 differ from the common llama.cpp -> HF mapping, and which tensors llama.cpp stored altered (and how to undo
 it). The renamed tensors then go through the family's HF table like any safetensors checkpoint.
+
+With `native=True` the block-quantised types Q4_0, Q4_1 and Q8_0 are not dequantised: each tensor is repacked
+(`repack`: a reshuffle of its bytes, no arithmetic on the weights) into a `PackedTensor`, codes int8
+[out, in] and the blocks' float16 scales (and Q4_1's mins) widened to float32, one per 32 inputs.
+Every other type (F32/F16 norms, K-quants such as Q4_K / Q6_K, ...) is dequantised as before: the stated
+fallback: `native_schemes` lists the tensors that stay packed, so the loader builds the rest as float.
 """
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from typing import Callable, Iterator, Mapping
 import numpy as np
 
 from jaxspec.checkpoint.core import WeightsError
+from jaxspec.models.quant import PackedTensor, Scheme
 
 # llama.cpp tensor name (without .weight/.bias) -> HF name; None: not a parameter
 _TOP_NAMES = {
@@ -221,11 +228,52 @@ def _gemma4_config(reader, g, n_vocab: int) -> dict:
     return d
 
 
-def read_gguf(path: Path) -> tuple[dict, Iterator[tuple[str, np.ndarray]]]:
+# GGUF block types kept packed by native loading: name -> (bytes per 32-weight block, Scheme)
+NATIVE_TYPES = {
+    "Q4_0": (18, Scheme(4, 32)),  # f16 d, 16 bytes of nibbles: w = d * (q - 8)
+    "Q4_1": (20, Scheme(4, 32, offset=True)),  # f16 d, f16 m, 16 bytes of nibbles: w = d * q + m
+    "Q8_0": (34, Scheme(8, 32)),  # f16 d, 32 int8: w = d * q
+}
+
+
+def repack(data: np.ndarray, type_name: str) -> PackedTensor:
+    """A GGUF Q4_0 / Q4_1 / Q8_0 tensor's raw bytes uint8 [rows, blocks * block bytes] -> PackedTensor
+    [rows, 32 * blocks]. In a 4-bit block byte j holds weight j in its low nibble and weight j + 16 in its high
+    one (ggml's `dequantize_row_q4_0/1`); tests check the result against gguf's own dequantiser."""
+    size, _ = NATIVE_TYPES[type_name]
+    rows = data.shape[0]
+    blocks = np.ascontiguousarray(data).reshape(rows, -1, size)  # [out, in / 32, bytes]
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [out, in / 32]
+    if type_name == "Q8_0":
+        return PackedTensor(blocks[..., 2:].copy().view(np.int8).reshape(rows, -1), d)
+    start = 4 if type_name == "Q4_1" else 2
+    qs = blocks[..., start:]  # [out, in / 32, 16]
+    codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.int8).reshape(rows, -1)
+    if type_name == "Q4_0":
+        return PackedTensor(codes - np.int8(8), d)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    return PackedTensor(codes, d, m)
+
+
+def native_schemes(path: Path) -> dict[str, Scheme]:
+    """HF tensor name -> Scheme for every tensor of a .gguf file that native loading keeps packed."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = GGUF_ARCHS[_field(reader, "general.architecture")]
+    out = {}
+    for t in reader.tensors:
+        hf = arch.hf_name(t.name)
+        if hf is not None and t.tensor_type.name in NATIVE_TYPES and len(t.data.shape) == 2:
+            out[hf] = NATIVE_TYPES[t.tensor_type.name][1]
+    return out
+
+
+def read_gguf(path: Path, *, native: bool = False) -> tuple[dict, Iterator[tuple[str, np.ndarray]]]:
     """(HF-style config dict, iterator of (HF tensor name, float32 array)) from a .gguf file.
 
     Quantised tensors are dequantised by gguf (always to float32); the loading core casts them once more,
-    to the parameter dtype.
+    to the parameter dtype. native: Q4_0 / Q4_1 / Q8_0 tensors come as `PackedTensor`s instead (`repack`).
     """
     import gguf
 
@@ -240,6 +288,11 @@ def read_gguf(path: Path) -> tuple[dict, Iterator[tuple[str, np.ndarray]]]:
         for t in reader.tensors:
             hf = arch.hf_name(t.name)
             if hf is None:
+                continue
+            if native and t.tensor_type.name in NATIVE_TYPES and len(t.data.shape) == 2:
+                packed = repack(np.asarray(t.data), t.tensor_type.name)
+                yield hf, packed.map(lambda a: arch.fix(t.name, a, cfg))  # row fixes move codes and scales alike
+                del packed
                 continue
             try:
                 arr = gguf.quants.dequantize(t.data, t.tensor_type)

@@ -20,7 +20,7 @@ from flax import nnx
 from jaxspec.cache import Cache, LatentEntry
 from jaxspec.config import ConfigError, RopeConfig, eos_ids
 from jaxspec.models.attention import cache_mask
-from jaxspec.models.layers import Linear, MLP, RMSNorm, lm_logits, param
+from jaxspec.models.layers import Linear, MLP, RMSNorm, embed_rows, lm_logits, param
 from jaxspec.models.mla import MLA, MLARope, MLASpec, absorb_threshold, rope_tables, softmax_scale
 from jaxspec.models.moe import MoE
 from jaxspec.segment import Segment
@@ -179,11 +179,11 @@ class DeepseekLM(nnx.Module):
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, N] -> [B, N, H]."""
-        return jnp.take(self.embed_tokens[...], tokens, axis=0)
+        return embed_rows(self.embed_tokens, tokens)
 
     def head(self, h: jax.Array, vocab: jax.Array | None = None) -> jax.Array:
         """Final hidden (normed) [..., H] -> float32 logits [..., V], or [..., K] for the token ids in `vocab`."""
-        return lm_logits(h, self.embed_tokens[...], self.lm_head, vocab)
+        return lm_logits(h, self.embed_tokens, self.lm_head, vocab)
 
     def __call__(self, tokens, segment: Segment, cache: Cache, *, tap_layers=(), logits_idx=None):
         """Append N tokens to the cache and return (logits, taps, pending cache); the contract of

@@ -18,7 +18,7 @@ from flax import nnx
 from jaxspec.cache import Cache, KVEntry
 from jaxspec.config import DenseConfig
 from jaxspec.models.attention import Attention, AttentionSpec, cache_mask
-from jaxspec.models.layers import MLP, Linear, RMSNorm, lm_logits, param
+from jaxspec.models.layers import MLP, Linear, RMSNorm, embed_rows, lm_logits, param
 from jaxspec.segment import Segment
 
 
@@ -70,16 +70,15 @@ class DenseLM(nnx.Module):
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, N] -> [B, N, H] (Gemma scales by sqrt(H) cast to the parameter dtype)."""
-        E = self.embed_tokens[...]
-        x = jnp.take(E, tokens, axis=0)
+        x = embed_rows(self.embed_tokens, tokens)
         if self.config.embed_scale != 1.0:
-            x = x * jnp.asarray(self.config.embed_scale, E.dtype)
+            x = x * jnp.asarray(self.config.embed_scale, x.dtype)
         return x
 
     def head(self, h: jax.Array, vocab: jax.Array | None = None) -> jax.Array:
         """Final hidden (already normed) [..., H] -> float32 logits [..., V], or [..., K] for the K token
         ids in `vocab` only. The drafter reuses it (with its draft vocabulary)."""
-        logits = lm_logits(h, self.embed_tokens[...], self.lm_head, vocab)
+        logits = lm_logits(h, self.embed_tokens, self.lm_head, vocab)
         cap = self.config.final_logit_softcapping
         return cap * jnp.tanh(logits / cap) if cap else logits
 

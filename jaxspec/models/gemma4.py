@@ -34,7 +34,7 @@ from flax import nnx
 from jaxspec.cache import Cache, KVEntry
 from jaxspec.config import ConfigError, RopeConfig, eos_ids
 from jaxspec.models.attention import attend, cache_mask, sliding
-from jaxspec.models.layers import MLP, Linear, apply_rope, lm_logits, param
+from jaxspec.models.layers import MLP, Linear, apply_rope, embed_rows, lm_logits, param
 from jaxspec.models.moe import GATHER_MAX_PAIRS, experts_gather, experts_ragged
 from jaxspec.segment import Segment
 
@@ -380,8 +380,8 @@ class Gemma4LM(nnx.Module):
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, N] -> [B, N, H], scaled by sqrt(H) cast to the parameter dtype."""
-        E = self.embed_tokens[...]
-        return jnp.take(E, tokens, axis=0) * jnp.asarray(math.sqrt(self.config.hidden_size), E.dtype)
+        x = embed_rows(self.embed_tokens, tokens)
+        return x * jnp.asarray(math.sqrt(self.config.hidden_size), x.dtype)
 
     def per_layer_inputs(self, tokens: jax.Array, x: jax.Array) -> jax.Array:
         """PLE: tokens [B, N], their scaled embedding x [B, N, H] -> [B, N, L, P]:
@@ -398,7 +398,7 @@ class Gemma4LM(nnx.Module):
     def head(self, h: jax.Array, vocab: jax.Array | None = None) -> jax.Array:
         """Final hidden (already normed) [..., H] -> float32 logits [..., V] (or [..., K] for `vocab` ids),
         soft-capped where the config says so."""
-        logits = lm_logits(h, self.embed_tokens[...], self.lm_head, vocab)
+        logits = lm_logits(h, self.embed_tokens, self.lm_head, vocab)
         cap = self.config.final_logit_softcapping
         return cap * jnp.tanh(logits / cap) if cap else logits
 

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jaxspec.config import RopeConfig
+from jaxspec.models import quant
 
 
 def param(value: jax.Array, axes: tuple[str, ...]) -> nnx.Param:
@@ -26,7 +27,9 @@ def param(value: jax.Array, axes: tuple[str, ...]) -> nnx.Param:
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias); kernel is [in, out] (HF stores [out, in]: the loader transposes).
+    """y = x @ kernel (+ bias); kernel is [in, out] (HF stores [out, in]: the loader transposes), or a
+    `quant.Packed` weight [out, in] (int8 / int4 codes + group scales), whose dequantisation is fused
+    into the matmul (`quant.pack_module` swaps it in; see jaxspec/models/quant.py).
 
     axes: logical names of (in, out), e.g. ("embed", "q_heads")."""
 
@@ -36,8 +39,17 @@ class Linear(nnx.Module):
         self.bias = param(jnp.zeros((d_out,), dtype), axes[1:]) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = x @ self.kernel[...]
+        y = quant.matmul(x, self.kernel) if isinstance(self.kernel, quant.Packed) else x @ self.kernel[...]
         return y + self.bias[...] if self.bias is not None else y
+
+    def weight(self) -> jax.Array:
+        """The float kernel [in, out] (dequantised if packed), for the few uses that need the matrix itself."""
+        return quant.as_float(self.kernel).T if isinstance(self.kernel, quant.Packed) else self.kernel[...]
+
+
+def embed_rows(table, tokens: jax.Array) -> jax.Array:
+    """Rows of the token embedding [V, H] (a float Param or a packed table) for tokens [...] -> [..., H]."""
+    return quant.rows(table, tokens) if isinstance(table, quant.Packed) else jnp.take(table[...], tokens, axis=0)
 
 
 class RMSNorm(nnx.Module):
@@ -75,14 +87,19 @@ class MLP(nnx.Module):
         return self.down_proj(g * self.up_proj(x))
 
 
-def lm_logits(h: jax.Array, embed_tokens: jax.Array, lm_head: "Linear | None", vocab: jax.Array | None = None) -> jax.Array:
+def lm_logits(h: jax.Array, embed_tokens, lm_head: "Linear | None", vocab: jax.Array | None = None) -> jax.Array:
     """Final hidden (already normed) [..., H] -> float32 logits [..., V] through the LM head, or the tied
-    embedding [V, H] when there is none; [..., K] for the K token ids in `vocab` only (a drafter's draft
-    vocabulary)."""
+    embedding [V, H] (the Param, float or packed) when there is none; [..., K] for the K token ids in `vocab`
+    only (a drafter's draft vocabulary). A packed head is [V, H] either way: the rows of the vocabulary."""
+    W = embed_tokens if lm_head is None else lm_head.kernel
+    if isinstance(W, quant.Packed):
+        if vocab is None:
+            return quant.matmul(h, W).astype(jnp.float32)
+        return jnp.einsum("...h,vh->...v", h, quant.rows(W, vocab).astype(h.dtype), preferred_element_type=jnp.float32)
     if lm_head is None:
-        W = embed_tokens if vocab is None else jnp.take(embed_tokens, vocab, axis=0)
+        W = W[...] if vocab is None else jnp.take(W[...], vocab, axis=0)
         return jnp.einsum("...h,vh->...v", h, W, preferred_element_type=jnp.float32)
-    W = lm_head.kernel[...] if vocab is None else jnp.take(lm_head.kernel[...], vocab, axis=1)
+    W = W[...] if vocab is None else jnp.take(W[...], vocab, axis=1)
     return jnp.einsum("...h,hv->...v", h, W, preferred_element_type=jnp.float32)
 
 

@@ -216,5 +216,5 @@ class MLA(nnx.Module):
         if absorbed is None:
             absorbed = N <= self.spec.absorb_max_tokens
         form = attend_absorbed if absorbed else attend_expanded
-        o = form(q_nope, q_pe, entry.latent, mask, self.kv_b_proj.kernel[...], self.spec)
+        o = form(q_nope, q_pe, entry.latent, mask, self.kv_b_proj.weight(), self.spec)
         return self.o_proj(o.reshape(B, N, self.spec.num_heads * self.spec.v_head_dim)), entry

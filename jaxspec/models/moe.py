@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxspec.models import quant
 from jaxspec.models.layers import MLP, Linear, param
 
 GATHER_MAX_PAIRS = 64  # (token, expert) pairs up to which gathering experts is used (the measured crossover)
@@ -62,13 +63,16 @@ def _glu(g, u, act):
     return act(g) * u
 
 
-def experts_gather(x, w, idx, gate, up, down, act=jax.nn.silu):
+def experts_gather(x, w, idx, gate, up, down, act=jax.nn.silu, *, gathered: bool = False):
     """x [T, H], w/idx [T, k], gate/up [E, H, I], down [E, I, H] -> [T, H]: each pair's expert gathered.
 
-    up None: gate is the fused [E, H, 2I] (gate | up) projection (Gemma 4), one matmul instead of two."""
-    g = jnp.einsum("th,tkhi->tki", x, gate[idx])
-    u = None if up is None else jnp.einsum("th,tkhi->tki", x, up[idx])
-    y = jnp.einsum("tki,tkih->tkh", _glu(g, u, act), down[idx])  # [T, k, H]
+    up None: gate is the fused [E, H, 2I] (gate | up) projection (Gemma 4), one matmul instead of two.
+    gathered: gate/up/down are already the chosen experts' weights, [T, k, H, I] / [T, k, I, H]."""
+    if not gathered:
+        gate, up, down = gate[idx], None if up is None else up[idx], down[idx]
+    g = jnp.einsum("th,tkhi->tki", x, gate)
+    u = None if up is None else jnp.einsum("th,tkhi->tki", x, up)
+    y = jnp.einsum("tki,tkih->tkh", _glu(g, u, act), down)  # [T, k, H]
     return jnp.einsum("tkh,tk->th", y, w.astype(y.dtype))
 
 
@@ -121,8 +125,18 @@ class Router(nnx.Module):
         self.e_score_correction_bias = param(jnp.zeros((num_experts,), jnp.float32), ("experts",))
 
 
+def expert_weights(p, idx=None) -> jax.Array:
+    """A stacked projection as float [E, in, out], or only the chosen experts' [T, k, in, out] for idx [T, k].
+    A packed one ([E, out, in] codes) is gathered first, so only the chosen experts are dequantised."""
+    if not isinstance(p, quant.Packed):
+        return p[...] if idx is None else p[...][idx]
+    parts = [None if a is None else (a if idx is None else a[idx]) for a in p.parts()]
+    return jnp.swapaxes(quant.dequantize(*parts), -1, -2)
+
+
 class Experts(nnx.Module):
-    """`mlp.experts`: every routed expert's gate/up [E, H, I] and down [E, I, H] projections, stacked."""
+    """`mlp.experts`: every routed expert's gate/up [E, H, I] and down [E, I, H] projections, stacked (or each
+    packed by `quant.pack_module`: codes [E, out, in])."""
 
     def __init__(self, num_experts: int, hidden: int, d_ff: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
         E, H, I = num_experts, hidden, d_ff
@@ -133,8 +147,10 @@ class Experts(nnx.Module):
 
     def __call__(self, x, w, idx):
         """x [T, H], w/idx [T, k] -> [T, H], gathering experts for few (token, expert) pairs, ragged_dot above."""
-        run = experts_gather if idx.size <= GATHER_MAX_PAIRS else experts_ragged
-        return run(x, w, idx, self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        projs = (self.gate_proj, self.up_proj, self.down_proj)
+        if idx.size <= GATHER_MAX_PAIRS:
+            return experts_gather(x, w, idx, *(expert_weights(p, idx) for p in projs), gathered=True)
+        return experts_ragged(x, w, idx, *(expert_weights(p) for p in projs))
 
 
 class SparseMoeBlock(nnx.Module):

@@ -23,7 +23,8 @@ from jaxspec.cache import Cache, KVEntry
 from jaxspec.config import ConfigError, RopeConfig, _rope, eos_ids
 from jaxspec.models.attention import Attention, AttentionSpec, attend, cache_mask
 from jaxspec.models.gated_deltanet import MODES, GatedDeltaNet, GDNEntry, GDNSpec
-from jaxspec.models.layers import Linear, MLP, RMSNorm, apply_rope, lm_logits, param, rope_inv_freq
+from jaxspec.models.layers import (Linear, MLP, RMSNorm, apply_rope, embed_rows, lm_logits, param,
+                                   rope_inv_freq)
 from jaxspec.models.moe import SparseMoeBlock
 from jaxspec.segment import Segment
 
@@ -212,11 +213,11 @@ class HybridLM(nnx.Module):
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, N] -> [B, N, H]."""
-        return jnp.take(self.embed_tokens[...], tokens, axis=0)
+        return embed_rows(self.embed_tokens, tokens)
 
     def head(self, h: jax.Array, vocab: jax.Array | None = None) -> jax.Array:
         """Final hidden (already normed) [..., H] -> float32 logits [..., V] (or [..., K] for `vocab` ids)."""
-        return lm_logits(h, self.embed_tokens[...], self.lm_head, vocab)
+        return lm_logits(h, self.embed_tokens, self.lm_head, vocab)
 
     def __call__(self, tokens, segment: Segment, cache: Cache, *, tap_layers=(), logits_idx=None):
         """Append N tokens and return (logits, taps, pending cache); arguments as `DenseLM.__call__`.

@@ -1,0 +1,239 @@
+"""Weight-only quantised weights kept packed on device: int8 / int4 codes with group-wise scales (and, for
+GGUF Q4_1, a per-group offset); the dequantisation is fused into the matmul by XLA.
+
+A packed weight W [out, in] (stacked experts: [E, out, in]) is three arrays:
+
+    codes   int8 [..., out, in]      one code per weight; int4 codes ([-8, 7], or [0, 15] with an offset) too
+    scale   [..., out, in / g]       one scale per g consecutive inputs (g = in: one per output channel)
+    offset  [..., out, in / g]       optional:  W = scale * code + offset   (else W = scale * code)
+
+Why this layout (measured on XLA:CPU, jax 0.10.2; bench/quant.py and the README hold the numbers):
+  * `out` major, `in` minor. A batch-1 `x @ W.T` over it is rewritten by XLA into ONE loop fusion that reads
+    each code once, converts, scales and accumulates in registers (HLO: a single `copy_dot_fusion` taking
+    codes, scale, offset and x; no f32 [out, in] buffer). With `in` major ([in, out], jaxspec's float
+    kernel layout) XLA materialises the float weight first and is 40x slower.
+  * One byte per int4 code. Every formulation that unpacks two nibbles per byte inside that fusion
+    (interleaved or GGUF's half-split order, masks or arithmetic shifts, two half dots) defeats the
+    vectoriser (10-50x slower than one byte per code), and XLA:CPU has no int4 dot. So on this backend an int4
+    weight costs 1 + 8/g bytes (g = 32: 1.25 bytes vs 4 for float32); the 4 bits of information are kept,
+    not the 4-bit storage.
+  * Forwards of more than one token (prefill, tree verify) dequantise to a transient float weight and run
+    XLA's ordinary dot: they are compute-bound on CPU, and XLA offers no fused form for them.
+
+  * Per-channel int8 (one scale per output) goes further: the activations are split into three int8 limbs
+    and the product is one int8 x int8 -> int32 dot, which XLA:CPU runs in its int8 GEMM (YNNPACK): a
+    SmolLM2 decode step is 2x faster than float32 (bench/quant.py). The fused group-scale loop above reads
+    3.3x fewer bytes than float32 but is no faster per step (XLA's loop emitter, not memory, is then the
+    bound). Group scales cannot take the int8 GEMM (the scale changes along the contraction), and a batched
+    per-group int8 dot is lowered by XLA:CPU to an int32 copy of the codes (40x slower).
+
+`matmul` is the fused form, `dequantize` the reference (float weight first); tests hold them equal.
+Host-side helpers (`PackedTensor`, `quantize`) build packed weights from float arrays (round to nearest)
+and are what the checkpoint readers yield for tensors that stay packed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+QUANTIZE = (None, "int8", "int4", "native")
+INT4_GROUP = 32  # on-the-fly int4: one scale per 32 inputs (GGUF Q4_0's block); int8: one per output channel
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """How a parameter is packed. bits: 8 or 4 (the range of its codes); group: inputs per scale (None: the
+    whole input dimension); offset: asymmetric (Q4_1). transposed: the float parameter is [in, out] (a Linear
+    kernel, stacked experts), so packing it transposes; False for [out, in] tables (embeddings)."""
+
+    bits: int
+    group: int | None
+    offset: bool = False
+    transposed: bool = True
+
+
+@dataclass
+class PackedTensor:
+    """A packed weight on the host in the device layout [..., out, in]: what a reader yields for a tensor
+    that stays packed (GGUF Q4_0/Q4_1/Q8_0, compressed-tensors INT4) and what `quantize` returns."""
+
+    codes: np.ndarray  # int8 [..., out, in]
+    scale: np.ndarray  # float [..., out, in / g]
+    offset: np.ndarray | None = None  # float [..., out, in / g]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.codes.shape
+
+    def parts(self) -> dict[str, np.ndarray]:
+        d = {"codes": self.codes, "scale": self.scale}
+        return d if self.offset is None else d | {"offset": self.offset}
+
+    def map(self, f) -> "PackedTensor":
+        """Apply a row operation (e.g. llama.cpp's q/k row unpermute) to every part alike."""
+        return PackedTensor(*(None if a is None else f(a) for a in (self.codes, self.scale, self.offset)))
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [..., out, in] (numpy reference)."""
+        g = self.codes.shape[-1] // self.scale.shape[-1]
+        w = self.codes.astype(np.float32) * np.repeat(self.scale.astype(np.float32), g, axis=-1)
+        return w if self.offset is None else w + np.repeat(self.offset.astype(np.float32), g, axis=-1)
+
+
+def quantize(w: np.ndarray, scheme: Scheme) -> PackedTensor:
+    """Round-to-nearest, symmetric: float [..., out, in] -> codes in [-qmax, qmax] (qmax 127 or 7) with one
+    scale max|w| / qmax per group, so each weight is off by at most half its group's scale."""
+    w = np.asarray(w, np.float32)
+    cols = w.shape[-1]
+    g = scheme.group or cols
+    if cols % g:
+        raise ValueError(f"cannot quantise a weight with {cols} inputs in groups of {g}; "
+                         "the input dimension must be a multiple of the group size")
+    qmax = 127 if scheme.bits == 8 else 7
+    wg = w.reshape(*w.shape[:-1], cols // g, g)
+    scale = np.abs(wg).max(-1) / qmax  # [..., out, in / g]
+    safe = np.where(scale > 0, scale, 1.0)[..., None]
+    codes = np.clip(np.rint(wg / safe), -qmax, qmax).astype(np.int8).reshape(w.shape)
+    return PackedTensor(codes, scale.astype(np.float32))
+
+
+class Packed(nnx.Module):
+    """A packed weight [..., out, in] as parameters with logical axes (codes and scales share the weight's
+    axes: a group axis shards like the input axis it groups)."""
+
+    def __init__(self, shape: tuple[int, ...], axes: tuple[str, ...], scheme: Scheme, *, dtype=jnp.float32):
+        from jaxspec.models.layers import param  # layers imports this module
+
+        *lead, out, cols = shape
+        g = scheme.group or cols
+        if cols % g:
+            raise ValueError(f"a packed weight with {cols} inputs cannot have groups of {g}")
+        self.bits, self.group = scheme.bits, g
+        self.codes = param(jnp.zeros(shape, jnp.int8), axes)
+        self.scale = param(jnp.ones((*lead, out, cols // g), dtype), axes)
+        self.offset = param(jnp.zeros((*lead, out, cols // g), dtype), axes) if scheme.offset else None
+
+    @property
+    def dtype(self):
+        return self.scale.dtype
+
+    def parts(self):
+        return self.codes[...], self.scale[...], None if self.offset is None else self.offset[...]
+
+
+def dequantize(codes, scale, offset=None, dtype=None) -> jax.Array:
+    """codes [..., out, in], scale/offset [..., out, in / g] -> float weight [..., out, in] in the scale's dtype."""
+    dtype = dtype or scale.dtype
+    *lead, out, cols = codes.shape
+    ng = scale.shape[-1]
+    w = codes.reshape(*lead, out, ng, cols // ng).astype(dtype) * scale[..., None].astype(dtype)
+    if offset is not None:
+        w = w + offset[..., None].astype(dtype)
+    return w.reshape(codes.shape)
+
+
+def matmul(x: jax.Array, p: Packed) -> jax.Array:
+    """x [..., in] @ W.T -> [..., out], written as a matmul with an explicit transpose of the dequantised
+    expression: for a single row XLA:CPU folds that transpose into one loop fusion over the codes
+    (`copy_dot_fusion`). The same product as an einsum / dot_general contracting `in` directly is NOT fused
+    (the float weight is materialised: 10x slower); tests/test_quant.py checks the compiled HLO."""
+    codes, scale, offset = p.parts()
+    if scale.shape[-1] == 1 and offset is None:
+        return _matmul_limbs(x, codes, scale)
+    # Inside a decode loop the weights are loop-invariant, and XLA's while-loop invariant code motion hoists
+    # their int8 -> float conversion out of the loop: every float weight materialised (the memory packing
+    # saves) and a slower transposed loop left inside (measured: AR 0.3x float32). Clamping the codes to a
+    # bound XLA cannot see is constant (127 = max(127, anything int8)) keeps the conversion in the loop.
+    cap = jnp.maximum(jnp.int8(127), jax.lax.convert_element_type(jnp.sum(x[..., :1]), jnp.int8))
+    return x @ dequantize(jnp.minimum(codes, cap), scale, offset, dtype=x.dtype).T
+
+
+def _matmul_limbs(x, codes, scale, n: int = 3):
+    """Per-channel int8: x is split into n int8 limbs (x ~ s (a0 + a1/256 + a2/256^2), s = max|x| / 127 per
+    row, error ~ 2^-24 max|x| like float32 rounding) so the product is ONE int8 x int8 -> int32 dot over the
+    codes, which XLA:CPU hands to its int8 GEMM (YNNPACK) reading each code once."""
+    s = jnp.max(jnp.abs(x), -1, keepdims=True).astype(jnp.float32) / 127.0  # [..., 1]
+    r = x.astype(jnp.float32) / jnp.where(s > 0, s, 1.0)
+    limbs = []
+    for _ in range(n):
+        a = jnp.round(r)
+        limbs.append(a)
+        r = (r - a) * 256.0
+    a = jnp.stack(limbs, 0).astype(jnp.int8)  # [n, ..., K]
+    y = jax.lax.dot_general(a, codes, (((a.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+    y = y.astype(jnp.float32)  # [n, ..., N]
+    y = sum(y[i] * (256.0 ** -i) for i in range(n))
+    return (y * s * scale[:, 0]).astype(x.dtype)
+
+
+def rows(p: Packed, idx: jax.Array) -> jax.Array:
+    """Rows idx [...] of a packed [V, H] table (an embedding), dequantised -> [..., H]."""
+    codes, scale, offset = p.parts()
+    take = lambda a: None if a is None else jnp.take(a, idx, axis=0)  # noqa: E731
+    return dequantize(take(codes), take(scale), take(offset))
+
+
+def as_float(w) -> jax.Array:
+    """A parameter's float value: a float Variable's array, or a Packed weight dequantised ([..., out, in])."""
+    return dequantize(*w.parts()) if isinstance(w, Packed) else w[...]
+
+
+def packed_bytes(state) -> int:
+    """Bytes of every array in a parameter state (what one decode step reads, counting a tied table once)."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+
+
+def check_quantize(quantize) -> None:
+    if quantize not in QUANTIZE:
+        raise ValueError(f"unsupported quantize={quantize!r}; use None, 'int8', 'int4' or 'native'")
+
+
+def pack_module(module: nnx.Module, plan: dict[str, Scheme], *, fill: bool = False) -> nnx.Module:
+    """Replace the float parameters named in `plan` (dotted paths: `layers.0.mlp.up_proj.kernel`,
+    `embed_tokens`, `layers.1.mlp.experts.gate_proj`) by `Packed` weights of the same logical shape, in place.
+    Works on an abstract module (inside `nnx.eval_shape`), which is how the loader builds packed targets;
+    fill: quantise the current float values into them (round to nearest, `quantize`)."""
+    for path, scheme in plan.items():
+        *parents, attr = path.split(".")
+        owner = module
+        for p in parents:
+            owner = owner[int(p)] if p.isdigit() else getattr(owner, p)
+        var = getattr(owner, attr)
+        shape, axes = tuple(var.shape), tuple(var.out_sharding)
+        if scheme.transposed:  # float [..., in, out] -> packed [..., out, in]
+            shape, axes = (*shape[:-2], shape[-1], shape[-2]), (*axes[:-2], axes[-1], axes[-2])
+        packed = Packed(shape, axes, scheme, dtype=var.dtype)
+        if fill:
+            w = np.asarray(var[...], np.float32)
+            for k, v in quantize(np.swapaxes(w, -1, -2) if scheme.transposed else w, scheme).parts().items():
+                getattr(packed, k).set_value(jnp.asarray(v, getattr(packed, k).dtype))
+        setattr(owner, attr, packed)
+    return module
+
+
+def linear_plan(module: nnx.Module, scheme: Scheme, *, embeddings: bool = True) -> dict[str, Scheme]:
+    """The on-the-fly plan: every Linear kernel, every stacked expert projection and (if `embeddings`) the
+    token embedding, except routers (an expert choice must not move) and weights whose input dimension the
+    group does not divide (they stay float)."""
+    from jaxspec.models.layers import Linear
+    from jaxspec.models.moe import Experts
+
+    plan = {}
+    for path, node in nnx.iter_graph(module):
+        name = ".".join(str(p) for p in path)
+        if isinstance(node, Linear) and node.kernel.out_sharding[-1] not in ("experts", "shared_gate"):
+            if node.kernel.shape[0] % (scheme.group or 1) == 0:
+                plan[f"{name}.kernel"] = scheme
+        elif isinstance(node, Experts):
+            for attr in ("gate_proj", "up_proj", "down_proj"):
+                if getattr(node, attr).shape[-2] % (scheme.group or 1) == 0:
+                    plan[f"{name}.{attr}"] = scheme
+    if embeddings and hasattr(module, "embed_tokens"):
+        cols = module.embed_tokens.shape[-1]
+        if cols % (scheme.group or 1) == 0:
+            plan["embed_tokens"] = Scheme(scheme.bits, scheme.group, scheme.offset, transposed=False)
+    return plan
