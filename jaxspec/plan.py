@@ -10,10 +10,11 @@ dimension the rules leave replicated (2 KV heads on 8 devices, MLA latents) coun
 
 Per device:
   * weights: each parameter's bytes / its shard count. Packed weights: a checkpoint's compressed-tensors INT4
-    `quantization_config` packs the routed experts (Kimi K2: 4 bits + one bf16 scale per 32 inputs);
+    `quantization_config` packs the routed experts (Kimi K2: int4 codes + one bf16 scale per 32 inputs);
     `--quantize int8` (1 byte + a bf16 scale per output column) and `int4` (as compressed-tensors) pack every
-    projection kernel and the routed experts (not the embedding, the LM head, norms or routers). These are estimates of the packed layout until the packed parameter (branch quant) lands;
-    today jaxspec dequantises on load.
+    projection kernel and the routed experts (not the embedding, the LM head, norms or routers). Counted as
+    jaxspec keeps them (models/quant.py): one byte per code, int4 included (XLA has no int4 dot on CPU; two
+    codes per byte needs a GPU kernel that unpacks them).
   * caches: init_cache(batch, max_len) as jaxspec allocates it (sliding-window layers keep the full length).
   * verify scratch for N = 1 + budget tree nodes, an estimate of what one verify forward holds at its peak:
     float32 logits [B, N, V] (replicated: acceptance reads the whole row) + one layer's activations
@@ -156,8 +157,8 @@ def _quantization_config(config: dict) -> dict | None:
 
 def _packing(group: int | None, quantize: str | None) -> str:
     if quantize:
-        return f"{quantize} what-if (estimate)"
-    return f"routed experts int4 / {group} (estimate)" if group else "none"
+        return f"{quantize} (what-if)"
+    return f"routed experts int4 / {group}" if group else "none"
 
 
 def _packed_bytes(key: str, shape, dtype, group: int | None, quantize: str | None) -> int:
@@ -172,7 +173,7 @@ def _packed_bytes(key: str, shape, dtype, group: int | None, quantize: str | Non
     if quantize == "int8":
         return n + 2 * n // shape[-2]
     g = group or 32
-    return n // 2 + 2 * -(-n // g)
+    return n + 2 * -(-n // g)  # jaxspec keeps one int4 code per byte (models/quant.py), not two
 
 
 def _nbytes(shape, dtype) -> int:
