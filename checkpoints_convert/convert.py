@@ -28,7 +28,7 @@ from flax import nnx
 from jaxspec.checkpoint import load_params, read_gguf, read_safetensors
 from jaxspec.checkpoint.compressed_tensors import maybe_dequantize
 from jaxspec.checkpoint.orbax import PARAMS_DIR, is_converted
-from jaxspec.config import ConfigError
+from jaxspec.config import read_config_json
 from jaxspec.model import DTYPES, _tokenizer
 from jaxspec.models.registry import config_from_dict, family_of
 
@@ -94,13 +94,7 @@ def _open(src: Path):
         raise ConvertError(f"SRC {src} is neither a model directory nor a .gguf file")
     if is_converted(src):
         raise ConvertError(f"SRC {src} is already converted; jaxspec.load reads it as it is")
-    path = src / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{path} not found; SRC must be a Hugging Face model directory or a .gguf file")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} is not valid JSON ({e}); re-download the model") from e
+    config = read_config_json(src / "config.json")
     tensors = maybe_dequantize(src, read_safetensors(src))
     # The parameters are written dequantised (float), so OUT must not claim the INT4 packing.
     config = {k: v for k, v in config.items() if k != "quantization_config"}

@@ -9,8 +9,10 @@ RoPE fields (legacy `rope_theta` / `rope_scaling` / Gemma's `rope_local_base_fre
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 DENSE_TYPES = ("llama", "qwen3", "gemma3_text", "gemma3")  # gemma3: the text model of the multimodal config
@@ -18,6 +20,17 @@ DENSE_TYPES = ("llama", "qwen3", "gemma3_text", "gemma3")  # gemma3: the text mo
 
 class ConfigError(ValueError):
     """A config.json that jaxspec cannot run; the message says what and how to fix it."""
+
+
+def read_config_json(path: Path) -> dict:
+    """A config.json -> its dict, with a one-line ConfigError when it is missing or not JSON."""
+    if not path.is_file():
+        raise ConfigError(f"{path} not found; pass a Hugging Face model directory (config.json + safetensors) "
+                          "or a .gguf file")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}); re-download or re-export the model") from e
 
 
 class TargetConfig(Protocol):

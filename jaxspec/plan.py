@@ -40,7 +40,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from jaxspec.checkpoint import WeightsError
 from jaxspec.checkpoint.compressed_tensors import pack_quantized_group_size
-from jaxspec.config import ConfigError
+from jaxspec.config import ConfigError, read_config_json
 from jaxspec.model import DTYPES
 from jaxspec.models.registry import config_from_dict, family_of
 from jaxspec.models.registry import layout as registry_layout
@@ -81,14 +81,7 @@ def read_config(path) -> dict:
         from jaxspec.checkpoint import read_gguf
 
         return read_gguf(path)[0]
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{path} not found; pass a model directory, a config.json or a .gguf file")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} is not valid JSON ({e})") from e
+    return read_config_json(path / "config.json" if path.is_dir() else path)
 
 
 def plan(config: dict, *, tp: int = 8, budget: int = 64, max_len: int = 32768, batch: int = 1, dtype: str = "bfloat16",

@@ -20,7 +20,7 @@ from flax import nnx
 from jaxspec.cache import Cache, LatentEntry
 from jaxspec.config import ConfigError, RopeConfig, eos_ids
 from jaxspec.models.attention import cache_mask
-from jaxspec.models.layers import Linear, MLP, RMSNorm, embed_rows, lm_logits, param
+from jaxspec.models.layers import Linear, MLP, RMSNorm, embed_rows, finish, lm_logits, param
 from jaxspec.models.mla import MLA, MLARope, MLASpec, absorb_threshold, rope_tables, softmax_scale
 from jaxspec.models.moe import MoE
 from jaxspec.segment import Segment
@@ -195,8 +195,4 @@ class DeepseekLM(nnx.Module):
             x, entries[i] = layer(x, segment.positions, entries[i], cache.length, mask)
             if i in tap_layers:
                 tapped[i] = x
-        if logits_idx is not None:
-            x = jnp.take_along_axis(x, logits_idx[..., None], axis=1)
-        logits = self.head(self.norm(x))
-        taps = jnp.concatenate([tapped[t] for t in tap_layers], -1) if tap_layers else None
-        return logits, taps, dataclasses.replace(cache, layers=tuple(entries))
+        return (*finish(self, x, tapped, tap_layers, logits_idx), dataclasses.replace(cache, layers=tuple(entries)))

@@ -18,7 +18,7 @@ from flax import nnx
 from jaxspec.cache import Cache, KVEntry
 from jaxspec.config import DenseConfig
 from jaxspec.models.attention import Attention, AttentionSpec, cache_mask
-from jaxspec.models.layers import MLP, Linear, RMSNorm, embed_rows, lm_logits, param
+from jaxspec.models.layers import MLP, Linear, RMSNorm, embed_rows, finish, lm_logits, param
 from jaxspec.segment import Segment
 
 
@@ -98,8 +98,4 @@ class DenseLM(nnx.Module):
             x, entries[i] = layer(x, segment.positions, entries[i], cache.length, mask, key_pos)
             if i in tap_layers:
                 tapped[i] = x
-        if logits_idx is not None:
-            x = jnp.take_along_axis(x, logits_idx[..., None], axis=1)
-        logits = self.head(self.norm(x))
-        taps = jnp.concatenate([tapped[t] for t in tap_layers], -1) if tap_layers else None
-        return logits, taps, dataclasses.replace(cache, layers=tuple(entries))
+        return (*finish(self, x, tapped, tap_layers, logits_idx), dataclasses.replace(cache, layers=tuple(entries)))

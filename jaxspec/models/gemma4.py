@@ -34,7 +34,7 @@ from flax import nnx
 from jaxspec.cache import Cache, KVEntry
 from jaxspec.config import ConfigError, RopeConfig, eos_ids
 from jaxspec.models.attention import attend, cache_mask, sliding
-from jaxspec.models.layers import MLP, Linear, apply_rope, embed_rows, lm_logits, param
+from jaxspec.models.layers import MLP, Linear, apply_rope, embed_rows, finish, lm_logits, param
 from jaxspec.models.moe import GATHER_MAX_PAIRS, experts_gather, experts_ragged
 from jaxspec.segment import Segment
 
@@ -417,8 +417,4 @@ class Gemma4LM(nnx.Module):
                 entries[slot] = entry
             if i in tap_layers:
                 tapped[i] = x
-        if logits_idx is not None:
-            x = jnp.take_along_axis(x, logits_idx[..., None], axis=1)
-        logits = self.head(self.norm(x))
-        taps = jnp.concatenate([tapped[t] for t in tap_layers], -1) if tap_layers else None
-        return logits, taps, dataclasses.replace(cache, layers=tuple(entries))
+        return (*finish(self, x, tapped, tap_layers, logits_idx), dataclasses.replace(cache, layers=tuple(entries)))

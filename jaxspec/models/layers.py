@@ -103,6 +103,16 @@ def lm_logits(h: jax.Array, embed_tokens, lm_head: "Linear | None", vocab: jax.A
     return jnp.einsum("...h,hv->...v", h, W, preferred_element_type=jnp.float32)
 
 
+def finish(model, x: jax.Array, tapped: dict, tap_layers, logits_idx) -> tuple[jax.Array, jax.Array | None]:
+    """The end every target family's forward shares: the final norm and LM head over the rows `logits_idx`
+    [B, K] picks (all rows when None), and the taps (layer outputs [B, N, H] by index) concatenated in
+    `tap_layers` order -> (logits [B, K or N, V] float32, taps [B, N, len(tap_layers) * H] or None)."""
+    if logits_idx is not None:
+        x = jnp.take_along_axis(x, logits_idx[..., None], axis=1)
+    taps = jnp.concatenate([tapped[t] for t in tap_layers], -1) if tap_layers else None
+    return model.head(model.norm(x)), taps
+
+
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
     """inv_freq [head_dim/2] for the default, linear and llama3 RoPE types (HF modeling_rope_utils), and
     llama.cpp's explicit per-frequency factors."""

@@ -24,7 +24,7 @@ from jaxspec.config import ConfigError, RopeConfig, _rope, eos_ids
 from jaxspec.models.attention import Attention, AttentionSpec, attend, cache_mask
 from jaxspec.models.gated_deltanet import MODES, GatedDeltaNet, GDNEntry, GDNSpec
 from jaxspec.models.layers import (Linear, MLP, RMSNorm, apply_rope, embed_rows, lm_logits, param,
-                                   rope_inv_freq)
+                                   finish, rope_inv_freq)
 from jaxspec.models.moe import SparseMoeBlock
 from jaxspec.segment import Segment
 
@@ -233,8 +233,4 @@ class HybridLM(nnx.Module):
             x, entries[n] = layer(x, segment, entries[n], cache.length, mask, key_pos, real)
             if n in tap_layers:
                 tapped[n] = x
-        if logits_idx is not None:
-            x = jnp.take_along_axis(x, logits_idx[..., None], axis=1)
-        logits = self.head(self.norm(x))
-        taps = jnp.concatenate([tapped[t] for t in tap_layers], -1) if tap_layers else None
-        return logits, taps, dataclasses.replace(cache, layers=tuple(entries))
+        return (*finish(self, x, tapped, tap_layers, logits_idx), dataclasses.replace(cache, layers=tuple(entries)))

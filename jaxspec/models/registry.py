@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from jaxspec.checkpoint import DEEPSEEK_HF_RULES, DENSE_HF_RULES, GEMMA4_HF_RULES, HYBRID_HF_RULES, Rule
-from jaxspec.config import DENSE_TYPES, ConfigError, DenseConfig, RopeConfig, TargetConfig, dense_config_from_dict, eos_ids
+from jaxspec.config import (DENSE_TYPES, ConfigError, DenseConfig, RopeConfig, TargetConfig, dense_config_from_dict,
+                            eos_ids, read_config_json)
 from jaxspec.models import deepseek, gemma4
 from jaxspec.models.dense import DenseLM
 from jaxspec.sharding import Layout
@@ -91,14 +92,7 @@ def config_from_dict(d: dict) -> TargetConfig:
 def load_config(model_dir: str | Path) -> TargetConfig:
     """Read `<model_dir>/config.json` (and generation_config.json's EOS ids, if present)."""
     model_dir = Path(model_dir)
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{path} not found; point --model at a Hugging Face model directory or a .gguf file")
-    try:
-        d = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path} is not valid JSON ({e}); re-download or re-export the model") from e
-    cfg = config_from_dict(d)
+    cfg = config_from_dict(read_config_json(model_dir / "config.json"))
     gen = model_dir / "generation_config.json"
     if gen.is_file():
         try:
