@@ -111,9 +111,6 @@ class Layout:
         """Pin a cache's buffers to their shardings inside jit."""
         return jax.lax.with_sharding_constraint(cache, self.cache_shardings(cache))
 
-    def replicated(self) -> NamedSharding:
-        return NamedSharding(self.mesh, PartitionSpec())
-
 
 def place(x, sharding: NamedSharding) -> jax.Array:
     """Host (or single-device) array -> a global array with `sharding`, built slice by slice so no device
