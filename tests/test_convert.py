@@ -1,7 +1,8 @@
 """`python -m checkpoints_convert`: HF (sharded) and GGUF checkpoints -> Orbax -> `jaxspec.load` gives the same
 logits and tokens as loading the source directly, on one device and on a dp 2 x tp 4 mesh; `--quantize` keeps
-the packed weights bitwise as `jaxspec.load(SRC, quantize=)` holds them; bad inputs give one `error:` line, exit
-status 2 and leave nothing behind; host memory stays near the largest tensor."""
+the packed weights bitwise as `jaxspec.load(SRC, quantize=)` holds them, and packed models generate on a mesh
+as on one device; bad inputs give one `error:` line, exit status 2 and leave nothing behind; host memory stays
+near the largest tensor."""
 from __future__ import annotations
 
 import json
@@ -16,10 +17,13 @@ import jax
 import numpy as np
 import pytest
 
+from jax.sharding import PartitionSpec as P
+
 import jaxspec
 from checkpoints_convert import convert
 from checkpoints_convert.__main__ import main
 from jaxspec.models import quant
+from jaxspec.testing import oracle_drafter
 
 IDS = np.random.default_rng(0).integers(0, 128, (2, 9))
 PROMPT = [int(t) for t in np.random.RandomState(1).randint(0, 64, 11)]  # below every test model's vocabulary
@@ -127,7 +131,8 @@ def greedy(model) -> list[int]:
 
 @pytest.fixture(scope="module")
 def packable(tmp_path_factory):
-    """A tiny random Llama with 8 q / 4 KV heads, saved as HF."""
+    """A tiny random Llama with 8 q / 4 KV heads, saved as HF: K/V split by head on tp = 4 and stay whole on
+    tp = 8; its down_proj's 128 inputs are 4 int4 groups, split with their codes on tp = 4 and replicated on 8."""
     from conftest import build_tiny_hf
 
     path = tmp_path_factory.mktemp("packable") / "src"
@@ -166,6 +171,35 @@ def test_native_gguf_round_trip(tmp_path):
     assert attn.v_proj.kernel.offset is not None and not isinstance(attn.o_proj.kernel, quant.Packed)
     assert_same_params(restored, direct)
     assert greedy(restored) == greedy(direct)
+
+
+@pytest.mark.parametrize("quantize, tp, dp", [("int8", 8, 1), ("int4", 4, 2)])
+def test_packed_on_mesh(packable, tmp_path, quantize, tp, dp):
+    """A packed model loaded into a mesh, from the source and from its conversion, lies on its shards (codes
+    split like the float kernel; int8's per-output scales of an input-split kernel replicated, int4's group
+    scales split with their codes where the groups divide) and generates the same greedy AR and DDTree
+    tokens as the packed model on one device."""
+    one = jaxspec.load(packable, quantize=quantize)
+    mesh = jaxspec.make_mesh(tp=tp, dp=dp)
+    sharded = jaxspec.load(packable, quantize=quantize, mesh=mesh)
+    out = convert(packable, tmp_path / "out", "float32", quantize=quantize, progress=False)
+    restored = jaxspec.load(out, mesh=mesh)
+    for m in (sharded, restored):
+        want = jax.tree.leaves(m.layout.param_shardings(m.params))
+        for leaf, sharding in zip(jax.tree.leaves(m.params), want, strict=True):
+            assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.shape, leaf.sharding, sharding)
+    down = sharded.params["layers"][0]["mlp"]["down_proj"]["kernel"]
+    assert down["codes"][...].sharding.spec == P(None, "tp")
+    assert down["scale"][...].sharding.spec == (P(None, None) if quantize == "int8" else P(None, "tp"))
+    assert_same_params(restored, sharded)
+
+    ar = greedy(one)
+    assert len(set(ar)) > 8  # varied tokens, not one repeated
+    assert greedy(sharded) == greedy(restored) == ar
+    ddtree = lambda m: jaxspec.generate(m, input_ids=PROMPT, drafter=oracle_drafter(m, PROMPT + ar, noise=0.3, block_size=5),  # noqa: E731
+                                        method="ddtree", budget=8, max_new_tokens=NEW)
+    r_one, r_sharded = ddtree(one), ddtree(sharded)
+    assert r_sharded.token_ids == r_one.token_ids == ar and r_sharded.stats["acceptance_length"] > 2.0
 
 
 def _tensors(model_dir):
