@@ -1,5 +1,6 @@
-"""`python -m checkpoints_convert SRC OUT [--dtype float32|bfloat16] [--force]`: one `error: ...` line and exit
-status 2 for any input it cannot convert (nothing is left behind); a progress bar on stderr otherwise."""
+"""`python -m checkpoints_convert SRC OUT [--dtype float32|bfloat16] [--quantize int8|int4|native] [--force]`:
+one `error: ...` line and exit status 2 for any input it cannot convert (nothing is left behind); a progress
+bar on stderr otherwise."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +14,8 @@ def main(argv=None) -> int:
     p.add_argument("src", metavar="SRC", help="HF model directory (safetensors, sharded or not) or a .gguf file")
     p.add_argument("out", metavar="OUT", help="the converted model directory to create")
     p.add_argument("--dtype", default="bfloat16", help="parameter dtype: float32 or bfloat16 (default bfloat16)")
+    p.add_argument("--quantize", default=None, help="keep weights packed as jaxspec.load(SRC, quantize=...) does: "
+                   "int8, int4 or native (a GGUF's Q4_0/Q4_1/Q8_0, a compressed-tensors INT4 checkpoint's own packing)")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -26,7 +29,7 @@ def main(argv=None) -> int:
     from checkpoints_convert.convert import ConvertError, convert
 
     try:
-        out = convert(args.src, args.out, args.dtype, force=args.force, progress=not args.quiet)
+        out = convert(args.src, args.out, args.dtype, quantize=args.quantize, force=args.force, progress=not args.quiet)
     except (ConvertError, ConfigError, WeightsError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

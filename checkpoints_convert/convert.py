@@ -10,6 +10,11 @@ partial saving (`orbax.checkpoint.experimental.v1.partial`): each `partial.save`
 pending directory with an OCDBT store) and `partial.finalize` merges them into one pytree checkpoint with one
 OCDBT manifest, which `ocp.load` restores into any sharding.
 
+`--quantize int8|int4|native` packs the parameters exactly as `jaxspec.load(SRC, quantize=...)` would (the
+same source reading and module builder, `read_source` and `module_builder`): the packed parts (int8 codes,
+scales [, offsets]) are written as they are, and `packing.json` records the plan, from which `jaxspec.load(OUT)`
+rebuilds the packed module without being told.
+
 Everything is written into a hidden temporary folder beside OUT and renamed to OUT at the end, so an
 interrupted or failed conversion leaves no OUT (and a failed one no temporary folder either).
 """
@@ -25,11 +30,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxspec.checkpoint import load_params, read_gguf, read_safetensors
-from jaxspec.checkpoint.compressed_tensors import maybe_dequantize
-from jaxspec.checkpoint.orbax import PARAMS_DIR, is_converted
-from jaxspec.config import read_config_json
-from jaxspec.model import DTYPES, _tokenizer
+from jaxspec.checkpoint import load_params
+from jaxspec.checkpoint.orbax import PARAMS_DIR, is_converted, write_packing
+from jaxspec.model import DTYPES, _tokenizer, module_builder, read_source
+from jaxspec.models.quant import QUANTIZE
 from jaxspec.models.registry import config_from_dict, family_of
 
 # Files of a HF directory that travel with the weights (config.json is rewritten, see `_hf_config`).
@@ -42,15 +46,19 @@ CHUNK_BYTES = 8 << 20
 
 
 class ConvertError(ValueError):
-    """A conversion that cannot start (bad SRC, OUT, dtype); the message says what to do."""
+    """A conversion that cannot start (bad SRC, OUT, dtype, quantize); the message says what to do."""
 
 
-def convert(src, out, dtype: str = "bfloat16", *, force: bool = False, progress: bool = True) -> Path:
-    """Convert SRC (HF directory or .gguf file) into OUT; returns OUT. Raises ConvertError, ConfigError or
-    WeightsError (missing, unexpected or misshapen tensors) with nothing left behind."""
+def convert(src, out, dtype: str = "bfloat16", *, quantize: str | None = None, force: bool = False,
+            progress: bool = True) -> Path:
+    """Convert SRC (HF directory or .gguf file) into OUT, packed as `jaxspec.load(SRC, quantize=quantize)`
+    would hold it; returns OUT. Raises ConvertError, ConfigError or WeightsError (missing, unexpected or
+    misshapen tensors) with nothing left behind."""
     src, out = Path(src).absolute(), Path(out).absolute()  # orbax wants absolute paths
     if dtype not in DTYPES:
         raise ConvertError(f"unsupported --dtype {dtype!r}; use one of: {', '.join(DTYPES)}")
+    if quantize not in QUANTIZE:
+        raise ConvertError(f"unsupported --quantize {quantize!r}; use int8, int4 or native, or leave it out")
     if not src.exists():
         raise ConvertError(f"SRC {src} does not exist; pass a HF model directory or a .gguf file")
     if out.exists() and not force:
@@ -59,17 +67,18 @@ def convert(src, out, dtype: str = "bfloat16", *, force: bool = False, progress:
         raise ConvertError(f"OUT {out} would replace SRC {src}; choose another OUT")
     if not out.parent.is_dir():
         raise ConvertError(f"the folder of OUT, {out.parent}, does not exist; create it first")
-    config, tensors, write_tokenizer = _open(src)
+    config, tensors, stored, write_tokenizer = _open(src, quantize)
     cfg = config_from_dict(config)
-    family = family_of(cfg.model_type)
+    ctor, pack, plan = module_builder(cfg, DTYPES[dtype], quantize, stored)
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".converting", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp's 0700 would make OUT private
     try:
-        ctor = lambda: family.module(cfg, dtype=DTYPES[dtype], rngs=nnx.Rngs(0))  # noqa: E731
         with _ParamWriter(tmp / PARAMS_DIR, ctor, progress) as writer:
-            load_params(ctor, tensors, family.hf_rules, place=writer)
+            load_params(ctor, tensors, family_of(cfg.model_type).hf_rules, pack=pack, place=writer)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if quantize is not None:
+            write_packing(tmp, quantize, plan)
         write_tokenizer(tmp)
         _replace(tmp, out)
     except BaseException:
@@ -78,10 +87,11 @@ def convert(src, out, dtype: str = "bfloat16", *, force: bool = False, progress:
     return out
 
 
-def _open(src: Path):
-    """(HF config dict as OUT will carry it, tensor stream, tokenizer writer) for a HF directory or a .gguf."""
+def _open(src: Path, quantize: str | None):
+    """(HF config dict as OUT will carry it, tensor stream, HF name -> Scheme of the tensors that arrive
+    packed, tokenizer writer) for a HF directory or a .gguf, read as `jaxspec.load(src, quantize=)` reads it."""
     if src.is_file() and src.suffix == ".gguf":
-        config, tensors = read_gguf(src)
+        config, tensors, stored = read_source(src, quantize)
 
         def write_tokenizer(dst: Path):
             import gguf
@@ -89,22 +99,21 @@ def _open(src: Path):
             if "tokenizer.ggml.tokens" in gguf.GGUFReader(str(src)).fields:  # a GGUF may ship no vocabulary
                 _tokenizer(src.parent, gguf_file=src.name).save_pretrained(str(dst))
 
-        return config, tensors, write_tokenizer
+        return config, tensors, stored, write_tokenizer
     if not src.is_dir():
         raise ConvertError(f"SRC {src} is neither a model directory nor a .gguf file")
     if is_converted(src):
         raise ConvertError(f"SRC {src} is already converted; jaxspec.load reads it as it is")
-    config = read_config_json(src / "config.json")
-    tensors = maybe_dequantize(src, read_safetensors(src))
-    # The parameters are written dequantised (float), so OUT must not claim the INT4 packing.
-    config = {k: v for k, v in config.items() if k != "quantization_config"}
+    config, tensors, stored = read_source(src, quantize)
+    if not stored:  # dequantised (float, or packed anew by --quantize): OUT must not claim the source's packing
+        config = {k: v for k, v in config.items() if k != "quantization_config"}
 
     def write_tokenizer(dst: Path):
         for name in _TOKENIZER_FILES:
             if (src / name).is_file():
                 shutil.copy2(src / name, dst / name)
 
-    return config, tensors, write_tokenizer
+    return config, tensors, stored, write_tokenizer
 
 
 class _ParamWriter:

@@ -5,7 +5,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +17,8 @@ from jaxspec.checkpoint import WeightsError, load_params, read_gguf, read_safete
 from jaxspec.checkpoint.compressed_tensors import maybe_dequantize, packed_schemes
 from jaxspec.checkpoint.core import rule_target
 from jaxspec.checkpoint.gguf import native_schemes
-from jaxspec.checkpoint.orbax import is_converted, restore_params
-from jaxspec.config import ConfigError, TargetConfig
+from jaxspec.checkpoint.orbax import is_converted, read_packing, restore_params
+from jaxspec.config import ConfigError, TargetConfig, read_config_json
 from jaxspec.models import quant
 from jaxspec.models.registry import Family, config_from_dict, family_of, load_config
 from jaxspec.models.registry import layout as registry_layout
@@ -116,41 +116,62 @@ def load(path, dtype="float32", *, mesh: Mesh | None = None, tokenizer: bool = T
     token embedding (tied LM head) as they load; routers and norms stay float. "native" keeps a GGUF's
     Q4_0 / Q4_1 / Q8_0 tensors as stored (other GGUF types load as float). A compressed-tensors INT4
     checkpoint (Kimi) keeps its packed weights as stored under any `quantize`, and dequantises them under
-    None. See jaxspec/models/quant.py."""
+    None. A converted directory is restored as it was converted (`--quantize`, recorded beside its config);
+    any other `quantize` is refused. See jaxspec/models/quant.py."""
     quant.check_quantize(quantize)
     path = Path(path)
     dt = parse_dtype(dtype)
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist; pass a HF model directory or a .gguf file")
     if path.is_file() and path.suffix == ".gguf":
-        hf_cfg, tensors = read_gguf(path, native=quantize == "native")
+        hf_cfg, tensors, stored = read_source(path, quantize)
         cfg = config_from_dict(hf_cfg)
         layout = _layout(cfg, mesh)
-        native = native_schemes(path) if quantize == "native" else {}
-        module = _build(cfg, tensors, dt, layout, quantize, native)
+        module = _build(cfg, tensors, dt, layout, quantize, stored)
         tok = _tokenizer(path.parent, gguf_file=path.name) if tokenizer else None
     elif path.is_dir() and is_converted(path):  # python -m checkpoints_convert: Orbax, restored into the shards
-        if quantize is not None:
-            raise ValueError(f"{path} is a converted checkpoint, restored as stored; quantize={quantize!r} applies "
-                             "to HF directories and .gguf files (convert from the source instead)")
         cfg = load_config(path)
         layout = _layout(cfg, mesh)
-        ctor = lambda: family_of(cfg.model_type).module(cfg, dtype=dt, rngs=nnx.Rngs(0))  # noqa: E731
-        module = restore_params(ctor, path, lambda var: _sharding(layout, var))
+        module = _restore(cfg, path, dt, layout, quantize)
         tok = _tokenizer(path) if tokenizer else None
     elif path.is_dir():
-        cfg = load_config(path)
+        cfg = load_config(path)  # config.json with generation_config.json's EOS ids
         layout = _layout(cfg, mesh)
-        stored = packed_schemes(path) if quantize is not None else {}
-        if quantize == "native" and not stored:
-            raise ValueError(f"quantize='native' keeps a checkpoint's own packing, and {path} has none "
-                             "(no pack-quantized quantization_config); use quantize='int8' or 'int4'")
-        tensors = maybe_dequantize(path, read_safetensors(path), keep_packed=quantize is not None)
+        _, tensors, stored = read_source(path, quantize)
         module = _build(cfg, tensors, dt, layout, quantize, stored)
         tok = _tokenizer(path) if tokenizer else None
     else:
         raise ConfigError(f"{path} is neither a model directory nor a .gguf file")
     return Model.from_module(module, tok, source=str(path), layout=layout)
+
+
+def read_source(path: Path, quantize: str | None) -> tuple[dict, Iterable, dict[str, quant.Scheme]]:
+    """(HF-style config dict, tensor stream, HF name -> Scheme of the tensors that arrive packed) of a .gguf
+    file or a HF directory, read as `quantize` asks: "native" keeps a GGUF's Q4_0 / Q4_1 / Q8_0 blocks, and
+    any `quantize` keeps a compressed-tensors checkpoint's INT4 packing. Shared with the converter, so a
+    converted checkpoint holds exactly what `load(path, quantize=)` would."""
+    if path.is_file() and path.suffix == ".gguf":
+        hf_cfg, tensors = read_gguf(path, native=quantize == "native")
+        return hf_cfg, tensors, native_schemes(path) if quantize == "native" else {}
+    hf_cfg = read_config_json(path / "config.json")
+    stored = packed_schemes(path) if quantize is not None else {}
+    if quantize == "native" and not stored:
+        raise ConfigError(f"quantize='native' keeps a checkpoint's own packing, and {path} has none "
+                          "(no pack-quantized quantization_config); use quantize='int8' or 'int4'")
+    return hf_cfg, maybe_dequantize(path, read_safetensors(path), keep_packed=quantize is not None), stored
+
+
+def _restore(cfg: TargetConfig, path: Path, dtype, layout: Layout | None, quantize: str | None) -> nnx.Module:
+    """A converted directory's module, packed as its recorded plan says, restored into the layout's shards.
+    A `quantize` other than the one it was converted with is refused: repacking needs the float source."""
+    converted_as, plan = read_packing(path)
+    if quantize not in (None, converted_as):
+        raise ValueError(f"{path} is a converted checkpoint, restored as stored (quantize={converted_as!r}); "
+                         f"quantize={quantize!r} applies to HF directories and .gguf files (convert from the source "
+                         "instead)")
+    family = family_of(cfg.model_type)
+    ctor = lambda: quant.pack_module(family.module(cfg, dtype=dtype, rngs=nnx.Rngs(0)), plan)  # noqa: E731
+    return restore_params(ctor, path, lambda var: _sharding(layout, var))
 
 
 def _layout(cfg: TargetConfig, mesh: Mesh | None) -> Layout | None:
@@ -179,10 +200,11 @@ def _scheme(quantize: str) -> quant.Scheme:
     return quant.Scheme(8, None) if quantize == "int8" else quant.Scheme(4, quant.INT4_GROUP)
 
 
-def _build(cfg: TargetConfig, tensors, dtype, layout: Layout | None = None, quantize: str | None = None,
-           native: dict | None = None) -> nnx.Module:
-    """The family's module for `cfg` (with packed parameters where `quantize` asks), filled from `tensors`
-    through the family's name table (straight into each parameter's shards when there is a layout).
+def module_builder(cfg: TargetConfig, dtype, quantize: str | None = None, native: dict | None = None):
+    """(ctor, pack, plan) for filling the family's module for `cfg` with `load_params`, packed where
+    `quantize` asks: ctor builds the module (abstractly, inside `load_params`) with `Packed` parameters,
+    pack(path, w) quantises a float tensor for packed parameter `path`, and plan, filled when ctor runs, maps
+    each packed parameter path to its Scheme (what a converted checkpoint records to rebuild the module).
     native: HF tensor name -> Scheme of the tensors that arrive packed (they keep their own packing; with
     int8 / int4 the other weights are quantised on the fly)."""
     family = family_of(cfg.model_type)
@@ -195,20 +217,29 @@ def _build(cfg: TargetConfig, tensors, dtype, layout: Layout | None = None, quan
         plans = lambda m: quant.linear_plan(m, _scheme(quantize)) | stored  # noqa: E731
     else:
         plans = lambda m: stored  # noqa: E731
-    made: dict[str, quant.Scheme] = {}  # the plan of the module built, for packing float tensors
+    plan: dict[str, quant.Scheme] = {}
 
     def ctor():
         m = family.module(cfg, dtype=dtype, rngs=nnx.Rngs(0))
-        made.update(plans(m))
-        return quant.pack_module(m, made)
+        plan.update(plans(m))
+        return quant.pack_module(m, plan)
 
     def pack(path: str, w: np.ndarray) -> quant.PackedTensor:
         """A float tensor (after its rule's transform) for packed parameter `path`, quantised to its scheme."""
-        scheme = made[path]
+        scheme = plan[path]
         return quant.quantize(np.swapaxes(w, -1, -2) if scheme.transposed else w, scheme)
 
+    return ctor, pack, plan
+
+
+def _build(cfg: TargetConfig, tensors, dtype, layout: Layout | None = None, quantize: str | None = None,
+           native: dict | None = None) -> nnx.Module:
+    """The family's module for `cfg` (with packed parameters where `quantize` asks, see `module_builder`),
+    filled from `tensors` through the family's name table (straight into each parameter's shards when
+    there is a layout)."""
+    ctor, pack, _ = module_builder(cfg, dtype, quantize, native)
     put = None if layout is None else (lambda arr, var, path: place(arr, layout.sharding(var.get_metadata()["out_sharding"], arr.shape)))
-    return load_params(ctor, tensors, family.hf_rules, pack=pack, place=put)
+    return load_params(ctor, tensors, family_of(cfg.model_type).hf_rules, pack=pack, place=put)
 
 
 def _tokenizer(model_dir: Path, gguf_file: str | None = None):

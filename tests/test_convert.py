@@ -1,10 +1,13 @@
 """`python -m checkpoints_convert`: HF (sharded) and GGUF checkpoints -> Orbax -> `jaxspec.load` gives the same
-logits and tokens as loading the source directly, on one device and on a dp 2 x tp 4 mesh; bad inputs give one
-`error:` line, exit status 2 and leave nothing behind; host memory stays near the largest tensor."""
+logits and tokens as loading the source directly, on one device and on a dp 2 x tp 4 mesh; `--quantize` keeps
+the packed weights bitwise as `jaxspec.load(SRC, quantize=)` holds them, and packed models generate on a mesh
+as on one device; bad inputs give one `error:` line, exit status 2 and leave nothing behind; host memory stays
+near the largest tensor."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,11 +17,17 @@ import jax
 import numpy as np
 import pytest
 
+from jax.sharding import PartitionSpec as P
+
 import jaxspec
 from checkpoints_convert import convert
 from checkpoints_convert.__main__ import main
+from jaxspec.models import quant
+from jaxspec.testing import oracle_drafter
 
 IDS = np.random.default_rng(0).integers(0, 128, (2, 9))
+PROMPT = [int(t) for t in np.random.RandomState(1).randint(0, 64, 11)]  # below every test model's vocabulary
+NEW = 24
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +72,14 @@ def test_gguf_round_trip_bfloat16(tiny_hf, tmp_path):
     np.testing.assert_array_equal(restored.logits(IDS), direct.logits(IDS))
 
 
-def test_compressed_tensors_int4_round_trip(tmp_path):
-    """Kimi-shaped INT4 experts (compressed-tensors pack-quantized) are dequantised once, by the converter: the
-    converted model equals loading the INT4 checkpoint directly, and its config no longer claims INT4."""
+@pytest.fixture(scope="module")
+def kimi_int4(tmp_path_factory):
+    """A tiny Kimi whose routed experts are compressed-tensors pack-quantized INT4."""
     from safetensors.numpy import save_file
     from test_compressed_tensors import QUANT, pack_int4, quantize
     from test_deepseek import build_hf
 
+    tmp_path = tmp_path_factory.mktemp("kimi")
     build_hf("kimi").save_pretrained(tmp_path / "hf")
     src = tmp_path / "int4"
     src.mkdir()
@@ -85,9 +95,111 @@ def test_compressed_tensors_int4_round_trip(tmp_path):
     save_file(packed, str(src / "model.safetensors"))
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, "quantization_config": QUANT}))
-    out = convert(src, tmp_path / "out", "float32", progress=False)
+    return src
+
+
+def test_compressed_tensors_int4_round_trip(kimi_int4, tmp_path):
+    """Kimi-shaped INT4 experts (compressed-tensors pack-quantized) are dequantised once, by the converter: the
+    converted model equals loading the INT4 checkpoint directly, and its config no longer claims INT4."""
+    out = convert(kimi_int4, tmp_path / "out", "float32", progress=False)
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
-    np.testing.assert_array_equal(jaxspec.load(out).logits(IDS), jaxspec.load(src, tokenizer=False).logits(IDS))
+    np.testing.assert_array_equal(jaxspec.load(out).logits(IDS), jaxspec.load(kimi_int4, tokenizer=False).logits(IDS))
+
+
+def test_compressed_tensors_int4_stays_packed(kimi_int4, tmp_path):
+    """With --quantize native the INT4 experts are written packed, as `load(SRC, quantize="native")` holds
+    them, and OUT's config keeps the quantization_config that describes them."""
+    out = convert(kimi_int4, tmp_path / "out", "float32", quantize="native", progress=False)
+    assert "quantization_config" in json.loads((out / "config.json").read_text())
+    restored = jaxspec.load(out)
+    assert isinstance(restored.module.layers[1].mlp.experts.gate_proj, quant.Packed)
+    assert_same_params(restored, jaxspec.load(kimi_int4, tokenizer=False, quantize="native"))
+
+
+def assert_same_params(a, b):
+    """The same module (which weights are packed, and how) with bitwise-equal parameters of the same dtypes."""
+    assert a.graphdef == b.graphdef
+    fa, fb = (jax.tree_util.tree_flatten_with_path(m.params)[0] for m in (a, b))
+    assert [k for k, _ in fa] == [k for k, _ in fb]
+    for (k, x), (_, y) in zip(fa, fb):
+        assert x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y)), jax.tree_util.keystr(k)
+
+
+def greedy(model) -> list[int]:
+    return jaxspec.generate(model, input_ids=PROMPT, method="ar", max_new_tokens=NEW).token_ids
+
+
+@pytest.fixture(scope="module")
+def packable(tmp_path_factory):
+    """A tiny random Llama with 8 q / 4 KV heads, saved as HF: K/V split by head on tp = 4 and stay whole on
+    tp = 8; its down_proj's 128 inputs are 4 int4 groups, split with their codes on tp = 4 and replicated on 8."""
+    from conftest import build_tiny_hf
+
+    path = tmp_path_factory.mktemp("packable") / "src"
+    build_tiny_hf("llama", num_attention_heads=8, num_key_value_heads=4).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_packed_round_trip(packable, tmp_path, quantize):
+    """--quantize int8 / int4: OUT restores, without being told, the packed module `load(SRC, quantize=)` builds,
+    codes and scales bitwise equal, and generates the same greedy tokens; another quantize is refused."""
+    out = tmp_path / "out"
+    assert main([str(packable), str(out), "--dtype", "float32", "--quantize", quantize, "--quiet"]) == 0
+    direct, restored = jaxspec.load(packable, quantize=quantize), jaxspec.load(out)
+    assert isinstance(restored.module.layers[0].mlp.down_proj.kernel, quant.Packed)
+    assert_same_params(restored, direct)
+    assert greedy(restored) == greedy(direct)
+    jaxspec.load(out, quantize=quantize)  # the quantize it was converted with is no contradiction
+    other = "int4" if quantize == "int8" else "int8"
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(out))} is a converted checkpoint, restored as stored "
+                                         rf"\(quantize='{quantize}'\); quantize='{other}' applies to HF directories"):
+        jaxspec.load(out, quantize=other)
+
+
+def test_native_gguf_round_trip(tmp_path):
+    """--quantize native on a GGUF: Q8_0 / Q4_0 / Q4_1 blocks (Q4_1's offsets too) stay packed, F16 float,
+    bitwise as `load(gguf, quantize="native")` holds them, with the same greedy tokens."""
+    from test_quant import write_quantized_gguf
+
+    types = {"token_embd": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_1", "attn_output": "F16",
+             "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q8_0"}
+    write_quantized_gguf(tmp_path / "q.gguf", types)
+    out = convert(tmp_path / "q.gguf", tmp_path / "out", "float32", quantize="native", progress=False)
+    direct, restored = jaxspec.load(tmp_path / "q.gguf", quantize="native", tokenizer=False), jaxspec.load(out)
+    attn = restored.module.layers[0].self_attn
+    assert attn.v_proj.kernel.offset is not None and not isinstance(attn.o_proj.kernel, quant.Packed)
+    assert_same_params(restored, direct)
+    assert greedy(restored) == greedy(direct)
+
+
+@pytest.mark.parametrize("quantize, tp, dp", [("int8", 8, 1), ("int4", 4, 2)])
+def test_packed_on_mesh(packable, tmp_path, quantize, tp, dp):
+    """A packed model loaded into a mesh, from the source and from its conversion, lies on its shards (codes
+    split like the float kernel; int8's per-output scales of an input-split kernel replicated, int4's group
+    scales split with their codes where the groups divide) and generates the same greedy AR and DDTree
+    tokens as the packed model on one device."""
+    one = jaxspec.load(packable, quantize=quantize)
+    mesh = jaxspec.make_mesh(tp=tp, dp=dp)
+    sharded = jaxspec.load(packable, quantize=quantize, mesh=mesh)
+    out = convert(packable, tmp_path / "out", "float32", quantize=quantize, progress=False)
+    restored = jaxspec.load(out, mesh=mesh)
+    for m in (sharded, restored):
+        want = jax.tree.leaves(m.layout.param_shardings(m.params))
+        for leaf, sharding in zip(jax.tree.leaves(m.params), want, strict=True):
+            assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.shape, leaf.sharding, sharding)
+    down = sharded.params["layers"][0]["mlp"]["down_proj"]["kernel"]
+    assert down["codes"][...].sharding.spec == P(None, "tp")
+    assert down["scale"][...].sharding.spec == (P(None, None) if quantize == "int8" else P(None, "tp"))
+    assert_same_params(restored, sharded)
+
+    ar = greedy(one)
+    assert len(set(ar)) > 8  # varied tokens, not one repeated
+    assert greedy(sharded) == greedy(restored) == ar
+    ddtree = lambda m: jaxspec.generate(m, input_ids=PROMPT, drafter=oracle_drafter(m, PROMPT + ar, noise=0.3, block_size=5),  # noqa: E731
+                                        method="ddtree", budget=8, max_new_tokens=NEW)
+    r_one, r_sharded = ddtree(one), ddtree(sharded)
+    assert r_sharded.token_ids == r_one.token_ids == ar and r_sharded.stats["acceptance_length"] > 2.0
 
 
 def _tensors(model_dir):
@@ -157,6 +269,8 @@ def test_bad_checkpoint(sharded, tmp_path, capfd, damage, words):
     ("out_exists", "already exists; pass --force"),
     ("src_missing", "does not exist"),
     ("bad_dtype", "unsupported --dtype 'float16'"),
+    ("bad_quantize", "unsupported --quantize 'int3'; use int8, int4 or native"),
+    ("native_without_packing", "quantize='native' keeps a checkpoint's own packing"),
 ])
 def test_bad_arguments(sharded, tmp_path, capfd, case, words):
     out = tmp_path / "out"
@@ -165,7 +279,9 @@ def test_bad_arguments(sharded, tmp_path, capfd, case, words):
         (out / "keep.txt").write_text("mine")
     src = tmp_path / "nope" if case == "src_missing" else sharded
     before = sorted(os.listdir(tmp_path))
-    assert main([str(src), str(out), "--dtype", "float16" if case == "bad_dtype" else "float32"]) == 2
+    flags = {"bad_dtype": ["--dtype", "float16"], "bad_quantize": ["--quantize", "int3"],
+             "native_without_packing": ["--quantize", "native"]}.get(case, [])
+    assert main([str(src), str(out), "--dtype", "float32", *flags]) == 2
     err = capfd.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and words in err, err
     assert sorted(os.listdir(tmp_path)) == before

@@ -5,9 +5,16 @@ The tree is flat, {dotted parameter path: array} (`layers.3.mlp.up_proj.kernel`)
 tables target, so a checkpoint does not depend on how NNX nests modules. Restoring reads each parameter
 straight into its target sharding (Orbax/tensorstore read only the slices a device owns), so no host ever
 holds a whole model; without a mesh every parameter lands on the default device.
+
+A model converted with `--quantize` keeps its packed weights as their parts (`<path>.codes`, `.scale` [,
+`.offset`]) and records, in `packing.json` beside config.json, the `quantize` it was converted with and the
+Scheme of every packed parameter: the module cannot be rebuilt from config.json alone (which weights are
+packed depends on the source, e.g. a GGUF's tensor types), so `jaxspec.load(OUT)` rebuilds it from this plan.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 from typing import Callable
 
@@ -16,8 +23,10 @@ from flax import nnx
 from jax.sharding import Sharding
 
 from jaxspec.checkpoint.core import WeightsError
+from jaxspec.models.quant import Scheme
 
 PARAMS_DIR = "params"
+PACKING_FILE = "packing.json"
 
 
 def param_key(path: tuple) -> str:
@@ -28,6 +37,24 @@ def param_key(path: tuple) -> str:
 def is_converted(model_dir: Path) -> bool:
     """Whether `model_dir` holds a converted (Orbax) model rather than HF safetensors."""
     return (Path(model_dir) / PARAMS_DIR).is_dir()
+
+
+def write_packing(model_dir: Path, quantize: str, plan: dict[str, Scheme]) -> None:
+    """Record how a converted model is packed: `quantize` and {parameter path: Scheme fields}."""
+    schemes = {path: dataclasses.asdict(scheme) for path, scheme in sorted(plan.items())}
+    (Path(model_dir) / PACKING_FILE).write_text(json.dumps({"quantize": quantize, "schemes": schemes}, indent=1))
+
+
+def read_packing(model_dir: Path) -> tuple[str | None, dict[str, Scheme]]:
+    """(quantize, plan) recorded by `write_packing`; (None, {}) for a model converted without packing."""
+    f = Path(model_dir) / PACKING_FILE
+    if not f.is_file():
+        return None, {}
+    try:
+        d = json.loads(f.read_text())
+        return d["quantize"], {path: Scheme(**fields) for path, fields in d["schemes"].items()}
+    except (ValueError, KeyError, TypeError) as e:
+        raise WeightsError(f"{f} is damaged ({e!r}); convert the model again") from e
 
 
 def restore_params(module_ctor: Callable[[], nnx.Module], model_dir: Path,

@@ -103,7 +103,14 @@ def quantize(w: np.ndarray, scheme: Scheme) -> PackedTensor:
 
 class Packed(nnx.Module):
     """A packed weight [..., out, in] as parameters with logical axes (codes and scales share the weight's
-    axes: a group axis shards like the input axis it groups)."""
+    axes: a group axis shards like the input axis it groups).
+
+    On a mesh (`sharding.Layout`) the codes split like the float weight's out / in axes. The scale (and
+    offset) split with them when their group count divides by the mesh axis; then in / tp is a whole number
+    of groups, so each device holds exactly its codes' groups. Otherwise, by the layout's rule for any
+    dimension that does not divide, they are replicated: int8's one scale per output on a weight split by
+    its input (down_proj, o_proj), or fewer int4 groups than devices. That is correct (the partitioner
+    gathers what a product needs) and costs little, as scales are 1/g of the codes."""
 
     def __init__(self, shape: tuple[int, ...], axes: tuple[str, ...], scheme: Scheme, *, dtype=jnp.float32):
         from jaxspec.models.layers import param  # layers imports this module
