@@ -74,7 +74,7 @@ def timeit(fn, *args, reps=30):
     return statistics.median(ts)
 
 
-def component_times(model, drafter, budget, method, L=256):
+def component_times(model, drafter, budget, method, L=256, reps=30):
     """Median seconds of: one AR step, draft, tree verify, and a full round, at cache length L."""
     tg, tp, dg, dp = model.graphdef, model.params, drafter.graphdef, drafter.params
     dc = drafter.config
@@ -107,10 +107,10 @@ def component_times(model, drafter, budget, method, L=256):
         return engine.spec_round(nnx.merge(tg, tp), nnx.merge(dg, dp), s, settings)
 
     return dict(
-        ar_step_s=timeit(ar_step, tp, state.cache, state.bonus),
-        draft_s=timeit(draft, tp, dp, state),
-        verify_s=timeit(verify, tp, state.cache, tree),
-        round_s=timeit(one_round, tp, dp, state),
+        ar_step_s=timeit(ar_step, tp, state.cache, state.bonus, reps=reps),
+        draft_s=timeit(draft, tp, dp, state, reps=reps),
+        verify_s=timeit(verify, tp, state.cache, tree, reps=reps),
+        round_s=timeit(one_round, tp, dp, state, reps=reps),
     )
 
 
