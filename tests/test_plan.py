@@ -29,7 +29,8 @@ def test_tiny_by_hand():
     split = [(H, 64), (64, H), (H, F), (H, F), (F, H)]  # [in, out]: 1 byte + a bf16 scale per column
     whole = [(H, 16), (H, 16)]  # k, v
     int8_layer = sum(i * o + 2 * o for i, o in split) / 4 + sum(i * o + 2 * o for i, o in whole) + 2 * H * 4
-    assert q8.weights == (2 * V * H / 4 + H) * 4 + L * int8_layer and q8.cache == p.cache  # embedding, head unpacked
+    table = (V * H + 2 * V) / 4  # embedding [V, H] and head [H, V], split by vocab: a scale per vocab entry
+    assert q8.weights == 2 * table + H * 4 + L * int8_layer and q8.cache == p.cache
 
 
 def test_kimi_k2_int4_fits_bf16_does_not():
@@ -66,3 +67,4 @@ def test_unsupported_model_type(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({**TINY, "model_type": "mamba"}))
     assert main([str(tmp_path)]) == 2
     assert "unsupported model_type 'mamba'" in capsys.readouterr().err
+
