@@ -13,9 +13,10 @@ Per device:
     `quantization_config` packs the routed experts (Kimi K2: int4 codes + one bf16 scale per 32 inputs);
     `--quantize int8` (1 byte + a bf16 scale per output column) and `int4` (a bf16 scale per 32 inputs) pack
     what `jaxspec.load(quantize=)` packs (`quant.linear_plan`: every projection, the routed experts, the
-    embedding and an untied LM head; not norms or routers). Counted as jaxspec keeps them (models/quant.py):
-    one byte per code, int4 included (XLA has no int4 dot on CPU; two codes per byte needs a GPU kernel that
-    unpacks them).
+    embedding and an untied LM head; not norms or routers). A directory converted with `checkpoints_convert
+    --quantize` counts as its `packing.json` records (it cannot be repacked, so another `--quantize` is
+    refused, as `jaxspec.load` refuses it). Counted as jaxspec keeps them (models/quant.py): one byte per code,
+    int4 included (XLA has no int4 dot on CPU; two codes per byte needs a GPU kernel that unpacks them).
   * caches: init_cache(batch, max_len) as jaxspec allocates it (sliding-window layers keep the full length).
   * verify scratch for N = 1 + budget tree nodes, an estimate of what one verify forward holds at its peak:
     float32 logits [B, N, V] (replicated: acceptance reads the whole row) + one layer's activations
@@ -41,6 +42,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from jaxspec.checkpoint import WeightsError
 from jaxspec.checkpoint.compressed_tensors import pack_quantized_group_size
+from jaxspec.checkpoint.orbax import is_converted, read_packing
 from jaxspec.config import ConfigError, read_config_json
 from jaxspec.model import DTYPES
 from jaxspec.models import quant
@@ -86,9 +88,27 @@ def read_config(path) -> dict:
     return read_config_json(path / "config.json" if path.is_dir() else path)
 
 
+def plan_path(path, *, quantize: str | None = None, **kw) -> Plan:
+    """`plan` of a model directory, config.json or .gguf. A directory converted by `checkpoints_convert` counts
+    as its packing.json records; as `jaxspec.load` does, it refuses a `quantize` other than the recorded one
+    (repacking needs the float source)."""
+    path = Path(path)
+    if not (path.is_dir() and is_converted(path)):
+        return plan(read_config(path), quantize=quantize, name=path.stem, **kw)
+    converted = read_packing(path)
+    if quantize not in (None, converted[0]):
+        how = f"--quantize {converted[0]}" if converted[0] else "no --quantize"
+        raise ValueError(f"{path} is a converted checkpoint, counted as converted ({how}); --quantize {quantize} "
+                         "applies to HF directories and .gguf files (convert from the source instead)")
+    return plan(read_config(path), converted=converted, name=path.stem, **kw)
+
+
 def plan(config: dict, *, tp: int = 8, budget: int = 64, max_len: int = 32768, batch: int = 1, dtype: str = "bfloat16",
-         hbm_gib: float = 141.0, quantize: str | None = None, name: str = "") -> Plan:
-    """Per-device weights, caches and verify scratch of `config` (a HF config dict) on dp = 1 x tp devices."""
+         hbm_gib: float = 141.0, quantize: str | None = None, converted: tuple[str | None, dict] | None = None,
+         name: str = "") -> Plan:
+    """Per-device weights, caches and verify scratch of `config` (a HF config dict) on dp = 1 x tp devices.
+    converted: (quantize, plan) recorded in a converted directory (`orbax.read_packing`), which replaces the
+    `quantize` what-if (`plan_path` refuses a different `quantize`)."""
     for what, n in (("tp", tp), ("budget", budget), ("max-len", max_len), ("batch", batch)):
         if n < 1:
             raise ValueError(f"--{what} must be a positive integer, got {n}")
@@ -101,7 +121,7 @@ def plan(config: dict, *, tp: int = 8, budget: int = 64, max_len: int = 32768, b
     layout = registry_layout(cfg, AbstractMesh((1, tp), MESH_AXES, axis_types=(AxisType.Auto,) * 2))
     shape_only = {k: v for k, v in config.items() if k != "quantization_config"}  # packing is counted here
     module = _abstract_module(json.dumps(shape_only, sort_keys=True), dtype)
-    schemes, packing = _schemes(module, config, quantize)
+    schemes, packing = _schemes(module, config, quantize, converted)
 
     weights = 0
     for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
@@ -149,9 +169,14 @@ def _quantization_config(config: dict) -> dict | None:
     return config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
 
 
-def _schemes(module: nnx.Module, config: dict, quantize: str | None) -> tuple[dict[str, quant.Scheme], str]:
-    """(parameter path -> Scheme, description) of what `jaxspec.load(quantize=)` packs: the on-the-fly plan, with
-    a compressed-tensors checkpoint's routed experts kept as stored under any quantize."""
+def _schemes(module: nnx.Module, config: dict, quantize: str | None,
+             converted: tuple[str | None, dict] | None) -> tuple[dict[str, quant.Scheme], str]:
+    """(parameter path -> Scheme, description) of what jaxspec keeps packed. A converted directory: its recorded
+    plan (which weights are packed depends on the source, e.g. a GGUF's tensor types, not on config.json).
+    Otherwise what `jaxspec.load(quantize=)` packs: the on-the-fly plan, with a compressed-tensors checkpoint's
+    routed experts kept as stored under any quantize."""
+    if converted is not None:
+        return converted[1], f"{converted[0]} (converted)" if converted[0] else "none"
     group = pack_quantized_group_size(_quantization_config(config))
     schemes = quant.linear_plan(module, quant.scheme_of(quantize)) if quantize else {}
     if group:  # stacked routed experts [E, in, out]; shared experts and routers are not
@@ -204,9 +229,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quantize", default=None, help="what-if packing, as jaxspec.load(quantize=) packs: int8 or int4")
     args = ap.parse_args(argv)
     try:
-        plans = [plan(read_config(m), tp=args.tp, budget=args.budget, max_len=args.max_len, batch=args.batch,
-                      dtype=args.dtype, hbm_gib=args.hbm_gib, quantize=args.quantize, name=Path(m).stem)
-                 for m in args.model]
+        plans = [plan_path(m, tp=args.tp, budget=args.budget, max_len=args.max_len, batch=args.batch,
+                           dtype=args.dtype, hbm_gib=args.hbm_gib, quantize=args.quantize) for m in args.model]
     except (ConfigError, WeightsError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from jaxspec.models.registry import config_from_dict
-from jaxspec.plan import GIB, main, plan, read_config, verify_scratch
+from jaxspec.plan import GIB, main, plan, plan_path, read_config, verify_scratch
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -68,3 +68,21 @@ def test_unsupported_model_type(tmp_path, capsys):
     assert main([str(tmp_path)]) == 2
     assert "unsupported model_type 'mamba'" in capsys.readouterr().err
 
+
+def test_converted_packed_counts_as_recorded(tiny_hf, tmp_path, capsys):
+    """A directory converted with --quantize int8 counts as its packing.json records: the weights the what-if
+    reports for its source, well below the float figure; another --quantize is refused as jaxspec.load refuses it."""
+    from checkpoints_convert import convert
+
+    _, src = tiny_hf("llama")
+    out = convert(src, tmp_path / "out", "float32", quantize="int8", progress=False)
+    kw = dict(tp=2, budget=4, max_len=64)
+    converted, what_if, float_ = plan_path(out, **kw), plan_path(src, quantize="int8", **kw), plan_path(src, **kw)
+    assert converted.weights == what_if.weights < 0.6 * float_.weights  # bf16: 2 bytes a weight, int8 about 1
+    assert converted.packing == "int8 (converted)"
+    assert plan_path(out, quantize="int8", **kw).weights == converted.weights  # the recorded one: no contradiction
+    capsys.readouterr()  # the fixture's save_pretrained progress bar
+    assert main([str(out), "--quantize", "int4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert f"{out} is a converted checkpoint, counted as converted (--quantize int8); --quantize int4 applies" in err
