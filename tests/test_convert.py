@@ -161,6 +161,7 @@ def test_packed_round_trip(packable, tmp_path, quantize):
 
 @pytest.fixture(scope="module")
 def packed_int8(packable):
+    """`packable` converted with --quantize int8, once: tests that damage it work on a copy."""
     return convert(packable, packable.parent / "int8", "float32", quantize="int8", progress=False)
 
 

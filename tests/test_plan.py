@@ -1,6 +1,7 @@
 """`python -m jaxspec.plan`: per-device bytes by hand on a tiny config (sharded, replicated and packed
 parameters, caches), the real Kimi K2 config (tests/data/configs, no weights) fitting 8 x 141 GiB with its INT4
-experts and not in bf16, and one-line errors for bad input."""
+experts and not in bf16, a directory converted with --quantize counted as its packing.json records, and one-line
+errors for bad input."""
 from __future__ import annotations
 
 import json
