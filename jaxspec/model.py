@@ -192,12 +192,8 @@ def quantize_model(model: Model, quantize: str) -> Model:
     if quantize not in ("int8", "int4"):
         raise ValueError(f"quantize_model packs float weights: use 'int8' or 'int4', not {quantize!r}")
     module = model.module
-    module = quant.pack_module(module, quant.linear_plan(module, _scheme(quantize)), fill=True)
+    module = quant.pack_module(module, quant.linear_plan(module, quant.scheme_of(quantize)), fill=True)
     return Model.from_module(module, model.tokenizer, source=f"{model.source} ({quantize})")
-
-
-def _scheme(quantize: str) -> quant.Scheme:
-    return quant.Scheme(8, None) if quantize == "int8" else quant.Scheme(4, quant.INT4_GROUP)
 
 
 def module_builder(cfg: TargetConfig, dtype, quantize: str | None = None, native: dict | None = None):
@@ -214,7 +210,7 @@ def module_builder(cfg: TargetConfig, dtype, quantize: str | None = None, native
         if target is not None:  # an embedding table is [out, in] already; kernels and stacked experts are transposed
             stored[target] = dataclasses.replace(scheme, transposed=target != "embed_tokens")
     if quantize in ("int8", "int4"):
-        plans = lambda m: quant.linear_plan(m, _scheme(quantize)) | stored  # noqa: E731
+        plans = lambda m: quant.linear_plan(m, quant.scheme_of(quantize)) | stored  # noqa: E731
     else:
         plans = lambda m: stored  # noqa: E731
     plan: dict[str, quant.Scheme] = {}

@@ -11,10 +11,12 @@ dimension the rules leave replicated (2 KV heads on 8 devices, MLA latents) coun
 Per device:
   * weights: each parameter's bytes / its shard count. Packed weights: a checkpoint's compressed-tensors INT4
     `quantization_config` packs the routed experts (Kimi K2: int4 codes + one bf16 scale per 32 inputs);
-    `--quantize int8` (1 byte + a bf16 scale per output column) and `int4` (as compressed-tensors) pack every
-    projection kernel and the routed experts (not the embedding, the LM head, norms or routers). Counted as
-    jaxspec keeps them (models/quant.py): one byte per code, int4 included (XLA has no int4 dot on CPU; two
-    codes per byte needs a GPU kernel that unpacks them).
+    `--quantize int8` (1 byte + a bf16 scale per output column) and `int4` (a bf16 scale per 32 inputs) pack
+    what `jaxspec.load(quantize=)` packs (`quant.linear_plan`: every projection, the routed experts, the
+    embedding and an untied LM head; not norms or routers). A directory converted with `checkpoints_convert
+    --quantize` counts as its `packing.json` records (it cannot be repacked, so another `--quantize` is
+    refused, as `jaxspec.load` refuses it). Counted as jaxspec keeps them (models/quant.py): one byte per code,
+    int4 included (XLA has no int4 dot on CPU; two codes per byte needs a GPU kernel that unpacks them).
   * caches: init_cache(batch, max_len) as jaxspec allocates it (sliding-window layers keep the full length).
   * verify scratch for N = 1 + budget tree nodes, an estimate of what one verify forward holds at its peak:
     float32 logits [B, N, V] (replicated: acceptance reads the whole row) + one layer's activations
@@ -40,8 +42,10 @@ from jax.sharding import AbstractMesh, AxisType
 
 from jaxspec.checkpoint import WeightsError
 from jaxspec.checkpoint.compressed_tensors import pack_quantized_group_size
+from jaxspec.checkpoint.orbax import is_converted, read_packing
 from jaxspec.config import ConfigError, read_config_json
 from jaxspec.model import DTYPES
+from jaxspec.models import quant
 from jaxspec.models.registry import config_from_dict, family_of
 from jaxspec.models.registry import layout as registry_layout
 from jaxspec.sharding import MESH_AXES, Layout
@@ -84,9 +88,27 @@ def read_config(path) -> dict:
     return read_config_json(path / "config.json" if path.is_dir() else path)
 
 
+def plan_path(path, *, quantize: str | None = None, **kw) -> Plan:
+    """`plan` of a model directory, config.json or .gguf. A directory converted by `checkpoints_convert` counts
+    as its packing.json records; as `jaxspec.load` does, it refuses a `quantize` other than the recorded one
+    (repacking needs the float source)."""
+    path = Path(path)
+    if not (path.is_dir() and is_converted(path)):
+        return plan(read_config(path), quantize=quantize, name=path.stem, **kw)
+    converted = read_packing(path)
+    if quantize not in (None, converted[0]):
+        how = f"--quantize {converted[0]}" if converted[0] else "no --quantize"
+        raise ValueError(f"{path} is a converted checkpoint, counted as converted ({how}); --quantize {quantize} "
+                         "applies to HF directories and .gguf files (convert from the source instead)")
+    return plan(read_config(path), converted=converted, name=path.stem, **kw)
+
+
 def plan(config: dict, *, tp: int = 8, budget: int = 64, max_len: int = 32768, batch: int = 1, dtype: str = "bfloat16",
-         hbm_gib: float = 141.0, quantize: str | None = None, name: str = "") -> Plan:
-    """Per-device weights, caches and verify scratch of `config` (a HF config dict) on dp = 1 x tp devices."""
+         hbm_gib: float = 141.0, quantize: str | None = None, converted: tuple[str | None, dict] | None = None,
+         name: str = "") -> Plan:
+    """Per-device weights, caches and verify scratch of `config` (a HF config dict) on dp = 1 x tp devices.
+    converted: (quantize, plan) recorded in a converted directory (`orbax.read_packing`), which replaces the
+    `quantize` what-if (`plan_path` refuses a different `quantize`)."""
     for what, n in (("tp", tp), ("budget", budget), ("max-len", max_len), ("batch", batch)):
         if n < 1:
             raise ValueError(f"--{what} must be a positive integer, got {n}")
@@ -99,13 +121,12 @@ def plan(config: dict, *, tp: int = 8, budget: int = 64, max_len: int = 32768, b
     layout = registry_layout(cfg, AbstractMesh((1, tp), MESH_AXES, axis_types=(AxisType.Auto,) * 2))
     shape_only = {k: v for k, v in config.items() if k != "quantization_config"}  # packing is counted here
     module = _abstract_module(json.dumps(shape_only, sort_keys=True), dtype)
-    group = pack_quantized_group_size(_quantization_config(config))
-    packing = _packing(group, quantize)
+    schemes, packing = _schemes(module, config, quantize, converted)
 
     weights = 0
     for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
         key = ".".join(str(p) for p in path)
-        nbytes = _packed_bytes(key, var.shape, var.dtype, group, quantize)
+        nbytes = _packed_bytes(var.shape, schemes[key]) if key in schemes else _nbytes(var.shape, var.dtype)
         weights += nbytes // _shards(layout, var.get_metadata()["out_sharding"], var.shape)
     cache = jax.eval_shape(lambda: module.init_cache(batch, max_len))
     specs = jax.tree.leaves(cache.logical_axes(), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
@@ -148,25 +169,32 @@ def _quantization_config(config: dict) -> dict | None:
     return config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
 
 
-def _packing(group: int | None, quantize: str | None) -> str:
+def _schemes(module: nnx.Module, config: dict, quantize: str | None,
+             converted: tuple[str | None, dict] | None) -> tuple[dict[str, quant.Scheme], str]:
+    """(parameter path -> Scheme, description) of what jaxspec keeps packed. A converted directory: its recorded
+    plan (which weights are packed depends on the source, e.g. a GGUF's tensor types, not on config.json).
+    Otherwise what `jaxspec.load(quantize=)` packs: the on-the-fly plan, with a compressed-tensors checkpoint's
+    routed experts kept as stored under any quantize."""
+    if converted is not None:
+        return converted[1], f"{converted[0]} (converted)" if converted[0] else "none"
+    group = pack_quantized_group_size(_quantization_config(config))
+    schemes = quant.linear_plan(module, quant.scheme_of(quantize)) if quantize else {}
+    if group:  # stacked routed experts [E, in, out]; shared experts and routers are not
+        keys = (".".join(str(p) for p in path) for path, _ in nnx.to_flat_state(nnx.state(module, nnx.Param)))
+        schemes |= {key: quant.Scheme(4, group) for key in keys if ".experts." in key}
     if quantize:
-        return f"{quantize} (what-if)"
-    return f"routed experts int4 / {group}" if group else "none"
+        return schemes, f"{quantize} (what-if)"
+    return schemes, f"routed experts int4 / {group}" if group else "none"
 
 
-def _packed_bytes(key: str, shape, dtype, group: int | None, quantize: str | None) -> int:
-    """Bytes of one parameter as stored: packed int4 (+ a bf16 scale per group of inputs) or int8 (+ a bf16 scale
-    per output column) for the parameters that would be packed, its dtype otherwise. A kernel is [..., in, out]."""
+def _packed_bytes(shape, scheme: quant.Scheme) -> int:
+    """Bytes of a parameter of float shape `shape` packed as `scheme`, as jaxspec keeps it (models/quant.py):
+    one byte per code, int4 included, not two codes per byte, and a bf16 scale (and offset) per group of
+    inputs, or per output column when the group is the whole input (int8). A kernel or stacked expert is
+    [..., in, out] (transposed when packed), an embedding [out, in]."""
     n = int(np.prod(shape))
-    routed = ".experts." in key  # stacked routed experts [E, in, out]; shared experts and routers are not
-    projection = len(shape) >= 2 and (key.endswith("kernel") or routed) and not key.startswith("lm_head")
-    packed = (quantize and projection) or (group and routed)
-    if not packed:
-        return _nbytes(shape, dtype)
-    if quantize == "int8":
-        return n + 2 * n // shape[-2]
-    g = group or 32
-    return n + 2 * -(-n // g)  # jaxspec keeps one int4 code per byte (models/quant.py), not two
+    groups = n // (scheme.group or shape[-2 if scheme.transposed else -1])
+    return n + 2 * groups * (2 if scheme.offset else 1)
 
 
 def _nbytes(shape, dtype) -> int:
@@ -198,12 +226,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--hbm-gib", type=float, default=141.0, help="memory per device (H200: 141)")
-    ap.add_argument("--quantize", default=None, help="what-if packing of every projection: int8 or int4")
+    ap.add_argument("--quantize", default=None, help="what-if packing, as jaxspec.load(quantize=) packs: int8 or int4")
     args = ap.parse_args(argv)
     try:
-        plans = [plan(read_config(m), tp=args.tp, budget=args.budget, max_len=args.max_len, batch=args.batch,
-                      dtype=args.dtype, hbm_gib=args.hbm_gib, quantize=args.quantize, name=Path(m).stem)
-                 for m in args.model]
+        plans = [plan_path(m, tp=args.tp, budget=args.budget, max_len=args.max_len, batch=args.batch,
+                           dtype=args.dtype, hbm_gib=args.hbm_gib, quantize=args.quantize) for m in args.model]
     except (ConfigError, WeightsError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -22,7 +22,9 @@ from jax.sharding import PartitionSpec as P
 import jaxspec
 from checkpoints_convert import convert
 from checkpoints_convert.__main__ import main
+from jaxspec.checkpoint import WeightsError
 from jaxspec.models import quant
+from jaxspec.plan import main as plan_main
 from jaxspec.testing import oracle_drafter
 
 IDS = np.random.default_rng(0).integers(0, 128, (2, 9))
@@ -155,6 +157,33 @@ def test_packed_round_trip(packable, tmp_path, quantize):
     with pytest.raises(ValueError, match=rf"^{re.escape(str(out))} is a converted checkpoint, restored as stored "
                                          rf"\(quantize='{quantize}'\); quantize='{other}' applies to HF directories"):
         jaxspec.load(out, quantize=other)
+
+
+@pytest.fixture(scope="module")
+def packed_int8(packable):
+    """`packable` converted with --quantize int8, once: tests that damage it work on a copy."""
+    return convert(packable, packable.parent / "int8", "float32", quantize="int8", progress=False)
+
+
+@pytest.mark.parametrize("text", [
+    "{not json",
+    json.dumps({"quantize": "int8"}),  # no schemes
+    json.dumps({"quantize": "int8", "schemes": {"embed_tokens": {"group": None}}}),  # a Scheme without bits
+    json.dumps({"quantize": "int8", "schemes": []}),
+])
+def test_damaged_packing(packed_int8, tmp_path, capsys, text):
+    """A damaged packing.json (the plan of packed parameters, which config.json cannot replace) is one line that
+    names the file and says to convert again, from jaxspec.load and from the planner, never a traceback."""
+    out = tmp_path / "out"
+    shutil.copytree(packed_int8, out)
+    (out / "packing.json").write_text(text)
+    with pytest.raises(WeightsError) as e:
+        jaxspec.load(out, tokenizer=False)
+    msg = str(e.value)
+    assert msg.startswith(f"{out / 'packing.json'} is damaged") and msg.endswith("; convert the model again"), msg
+    assert "\n" not in msg
+    assert plan_main([str(out)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {msg}"
 
 
 def test_native_gguf_round_trip(tmp_path):

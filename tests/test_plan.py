@@ -1,6 +1,7 @@
 """`python -m jaxspec.plan`: per-device bytes by hand on a tiny config (sharded, replicated and packed
 parameters, caches), the real Kimi K2 config (tests/data/configs, no weights) fitting 8 x 141 GiB with its INT4
-experts and not in bf16, and one-line errors for bad input."""
+experts and not in bf16, a directory converted with --quantize counted as its packing.json records, and one-line
+errors for bad input."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from jaxspec.models.registry import config_from_dict
-from jaxspec.plan import GIB, main, plan, read_config, verify_scratch
+from jaxspec.plan import GIB, main, plan, plan_path, read_config, verify_scratch
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -29,7 +30,8 @@ def test_tiny_by_hand():
     split = [(H, 64), (64, H), (H, F), (H, F), (F, H)]  # [in, out]: 1 byte + a bf16 scale per column
     whole = [(H, 16), (H, 16)]  # k, v
     int8_layer = sum(i * o + 2 * o for i, o in split) / 4 + sum(i * o + 2 * o for i, o in whole) + 2 * H * 4
-    assert q8.weights == (2 * V * H / 4 + H) * 4 + L * int8_layer and q8.cache == p.cache  # embedding, head unpacked
+    table = (V * H + 2 * V) / 4  # embedding [V, H] and head [H, V], split by vocab: a scale per vocab entry
+    assert q8.weights == 2 * table + H * 4 + L * int8_layer and q8.cache == p.cache
 
 
 def test_kimi_k2_int4_fits_bf16_does_not():
@@ -66,3 +68,22 @@ def test_unsupported_model_type(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({**TINY, "model_type": "mamba"}))
     assert main([str(tmp_path)]) == 2
     assert "unsupported model_type 'mamba'" in capsys.readouterr().err
+
+
+def test_converted_packed_counts_as_recorded(tiny_hf, tmp_path, capsys):
+    """A directory converted with --quantize int8 counts as its packing.json records: the weights the what-if
+    reports for its source, well below the float figure; another --quantize is refused as jaxspec.load refuses it."""
+    from checkpoints_convert import convert
+
+    _, src = tiny_hf("llama")
+    out = convert(src, tmp_path / "out", "float32", quantize="int8", progress=False)
+    kw = dict(tp=2, budget=4, max_len=64)
+    converted, what_if, float_ = plan_path(out, **kw), plan_path(src, quantize="int8", **kw), plan_path(src, **kw)
+    assert converted.weights == what_if.weights < 0.6 * float_.weights  # bf16: 2 bytes a weight, int8 about 1
+    assert converted.packing == "int8 (converted)"
+    assert plan_path(out, quantize="int8", **kw).weights == converted.weights  # the recorded one: no contradiction
+    capsys.readouterr()  # the fixture's save_pretrained progress bar
+    assert main([str(out), "--quantize", "int4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert f"{out} is a converted checkpoint, counted as converted (--quantize int8); --quantize int4 applies" in err

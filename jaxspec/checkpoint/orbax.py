@@ -53,7 +53,7 @@ def read_packing(model_dir: Path) -> tuple[str | None, dict[str, Scheme]]:
     try:
         d = json.loads(f.read_text())
         return d["quantize"], {path: Scheme(**fields) for path, fields in d["schemes"].items()}
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # not JSON, or not what write_packing writes
         raise WeightsError(f"{f} is damaged ({e!r}); convert the model again") from e
 
 

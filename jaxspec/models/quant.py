@@ -222,6 +222,12 @@ def pack_module(module: nnx.Module, plan: dict[str, Scheme], *, fill: bool = Fal
     return module
 
 
+def scheme_of(quantize: str) -> Scheme:
+    """The Scheme `quantize="int8"` / `"int4"` packs with on the fly; one place, as the loader and the memory
+    planner must agree on it."""
+    return Scheme(8, None) if quantize == "int8" else Scheme(4, INT4_GROUP)
+
+
 def linear_plan(module: nnx.Module, scheme: Scheme, *, embeddings: bool = True) -> dict[str, Scheme]:
     """The on-the-fly plan: every Linear kernel, every stacked expert projection and (if `embeddings`) the
     token embedding, except routers (an expert choice must not move) and weights whose input dimension the
