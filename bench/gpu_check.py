@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import time
 import traceback
 from pathlib import Path
@@ -29,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 import jaxspec
+from jaxspec.budget import timeit as timed
 from jaxspec.config import dense_config_from_dict
 from jaxspec.models.qwen3_next import hybrid_config_from_dict
 from jaxspec.segment import Segment
@@ -59,17 +59,6 @@ class Clock:
 
     def left(self) -> float:
         return self.end - time.monotonic()
-
-
-def timed(f, *args, reps: int = 5) -> float:
-    """Median seconds of `reps` calls after one warm-up (compile) call."""
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def bandwidth(tiny: bool) -> dict:

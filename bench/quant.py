@@ -26,7 +26,7 @@ import jax  # noqa: E402
 
 import jaxspec  # noqa: E402
 from bench.ar import PROMPTS, copy_bandwidth  # noqa: E402
-from jaxspec.generate import BUNDLED_BUDGET, BUNDLED_DRAFTER, bundled_model  # noqa: E402
+from jaxspec.generate import BUNDLED_DRAFTER, bundled_model  # noqa: E402
 from jaxspec.models.quant import packed_bytes  # noqa: E402
 
 NEW_TOKENS, RUNS, N_PROMPTS = 64, 3, 2
@@ -53,7 +53,7 @@ def main() -> None:
         ar, dd, same, acc = [], [], [], []
         for prompt in PROMPTS[:N_PROMPTS]:
             tps, ids, _ = tokens_per_second(model, prompt, method="ar")
-            tps_dd, ids_dd, st = tokens_per_second(model, prompt, method="ddtree", drafter=drafter, budget=BUNDLED_BUDGET)
+            tps_dd, ids_dd, st = tokens_per_second(model, prompt, method="ddtree", drafter=drafter, budget="auto")
             ar.append(tps), dd.append(tps_dd), same.append(ids == ids_dd), acc.append(st["acceptance_length"])
         name = kind or "float32"
         rows[name] = dict(bytes_per_token=nbytes, ar_tokens_per_s=statistics.median(ar),
@@ -74,7 +74,7 @@ def main() -> None:
     (RESULTS / "quant_latest.json").write_text(json.dumps(dict(
         date=datetime.datetime.now().isoformat(timespec="seconds"), jax=jax.__version__, cpus=os.cpu_count(),
         load_average=os.getloadavg(), copy_bandwidth_bytes_per_s=bandwidth, new_tokens=NEW_TOKENS, runs=RUNS,
-        prompts=PROMPTS[:N_PROMPTS], ddtree_budget=BUNDLED_BUDGET, results=rows), indent=1))
+        prompts=PROMPTS[:N_PROMPTS], ddtree_budget="auto", results=rows), indent=1))
 
 
 if __name__ == "__main__":

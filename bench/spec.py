@@ -23,7 +23,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -37,6 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import jaxspec  # noqa: E402
 from jaxspec import engine  # noqa: E402
 from jaxspec.api import encode_prompt  # noqa: E402
+from jaxspec.budget import timeit  # noqa: E402
 from jaxspec.config import dense_config_from_dict  # noqa: E402
 from jaxspec.sampling import SamplingParams  # noqa: E402
 from jaxspec.segment import Segment  # noqa: E402
@@ -62,16 +62,6 @@ def tiny_target():
     m = jaxspec.random_model(cfg, seed=0)
     m.params = jax.tree.map(lambda x: x * 2.0, m.params)
     return m
-
-
-def timeit(fn, *args, reps=30):
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
 
 
 def component_times(model, drafter, budget, method, L=256, reps=30):
@@ -123,7 +113,12 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=4, help="how many held-out prompts (never used in training)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers generate reference (GGUF targets)")
+    ap.add_argument("--save-acceptance", action="store_true",
+                    help="write the measured acceptance length per budget into the drafter dir (acceptance.json, "
+                         "what budget='auto' reads) before the auto row runs")
     args = ap.parse_args(argv)
+    if args.save_acceptance and not Path(args.drafter, "config.json").is_file():
+        ap.error("--save-acceptance needs --drafter DIR (a trained drafter directory)")
     budgets = [int(b) for b in args.budgets.split(",")]
 
     model = tiny_target() if args.model == "tiny" else jaxspec.load(args.model or bundled_smollm2())
@@ -133,34 +128,52 @@ def main(argv=None):
     else:
         inputs = [dict(prompt=p) for p in read_prompts("heldout")[: args.prompts]]
 
-    rows = {"ar": [], "dflash": [], **{f"ddtree@{b}": [] for b in budgets}}
+    def drafter_for(inp, ar):
+        if args.drafter == "oracle":
+            ids = (inp.get("input_ids") or encode_prompt(model, inp["prompt"], None)) + ar.token_ids
+            return oracle_drafter(model, ids, noise=args.noise)
+        if args.drafter == "random":
+            return jaxspec.init_drafter(model, num_layers=1)
+        return jaxspec.load_drafter(args.drafter, model)
+
+    def run(name, inp, ar):
+        method, budget = name.split("@") if "@" in name else (name, None)
+        budget = int(budget) if budget and budget != "auto" else budget
+        drafter = drafter_for(inp, ar)
+        for _ in range(2):  # the first run compiles
+            r = jaxspec.generate(model, **inp, drafter=drafter, method=method, budget=budget,
+                                 max_new_tokens=args.max_new_tokens)
+        assert r.token_ids == ar.token_ids, f"{name} differs from AR greedy"
+        return dict(tps=r.stats["tokens_per_second"], speedup=r.stats["tokens_per_second"] / ar.stats["tokens_per_second"],
+                    al=r.stats["acceptance_length"], n=r.stats["new_tokens"], budget=r.stats["budget"],
+                    per_depth=r.stats["per_depth_acceptance"])
+
+    rows = {"ar": [], "dflash": [], **{f"ddtree@{b}": [] for b in budgets}, "ddtree@auto": []}
+    ars = []
     for inp in inputs:
         ar = jaxspec.generate(model, **inp, method="ar", max_new_tokens=args.max_new_tokens)
         ar = jaxspec.generate(model, **inp, method="ar", max_new_tokens=args.max_new_tokens)  # warm
-        rows["ar"].append(dict(tps=ar.stats["tokens_per_second"], al=1.0, n=ar.stats["new_tokens"]))
-        if args.drafter == "oracle":
-            ids = (inp.get("input_ids") or encode_prompt(model, inp["prompt"], None)) + ar.token_ids
-            drafter = oracle_drafter(model, ids, noise=args.noise)
-        elif args.drafter == "random":
-            drafter = jaxspec.init_drafter(model, num_layers=1)
-        else:
-            drafter = jaxspec.load_drafter(args.drafter, model)
+        ars.append(ar)
+        rows["ar"].append(dict(tps=ar.stats["tokens_per_second"], speedup=1.0, al=1.0, n=ar.stats["new_tokens"]))
         for name in rows:
-            if name == "ar":
-                continue
-            method, budget = (name.split("@")[0], int(name.split("@")[1])) if "@" in name else (name, None)
-            for _ in range(2):  # the first run compiles
-                r = jaxspec.generate(model, **inp, drafter=drafter, method=method, budget=budget,
-                                     max_new_tokens=args.max_new_tokens)
-            assert r.token_ids == ar.token_ids, f"{name} differs from AR greedy"
-            rows[name].append(dict(tps=r.stats["tokens_per_second"], al=r.stats["acceptance_length"],
-                                   n=r.stats["new_tokens"]))
+            if name not in ("ar", "ddtree@auto"):
+                rows[name].append(run(name, inp, ar))
+    if args.save_acceptance:
+        table = {str(b): statistics.mean(r["al"] for r in rows[f"ddtree@{b}"]) for b in budgets}
+        (Path(args.drafter) / "acceptance.json").write_text(json.dumps(dict(
+            acceptance_length=table, measured=dict(prompts=f"heldout[:{len(inputs)}]", max_new_tokens=args.max_new_tokens,
+                                                   greedy=True, date=datetime.date.today().isoformat())), indent=2) + "\n")
+        print(f"wrote {Path(args.drafter) / 'acceptance.json'}")
+    for inp, ar in zip(inputs, ars):
+        rows["ddtree@auto"].append(run("ddtree@auto", inp, ar))
+    drafter = drafter_for(inputs[0], ars[0])
 
     comp = {}
     for name in rows:
         if name == "ar":
             continue
-        method, budget = (name.split("@")[0], int(name.split("@")[1])) if "@" in name else (name, drafter.config.block_size - 1)
+        method = name.split("@")[0]
+        budget = rows[name][0]["budget"]  # auto: the budget it chose
         comp[name] = component_times(model, drafter, budget, method)
 
     hf_tps = None
@@ -171,19 +184,32 @@ def main(argv=None):
     ar_tps = statistics.mean(r["tps"] for r in rows["ar"])
     print(f"target={args.model or 'SmolLM2-135M (bundled)'} drafter={args.drafter} noise={args.noise} "
           f"max_new_tokens={args.max_new_tokens} prompts={len(inputs)} backend={jax.default_backend()}")
-    print(f"{'method':<12}{'tok/s':>9}{'vs AR':>8}{'accept len':>12}{'verify/AR':>11}{'overhead':>10}")
+    print("speed-up = median over prompts of (tokens/s / AR tokens/s on the same prompt), [min, max]; "
+          "accept len = mean, [min, max]")
+    print(f"{'method':<13}{'tok/s':>8}{'speed-up':>10}{'[min, max]':>14}{'accept len':>12}{'[min, max]':>14}"
+          f"{'verify/AR':>11}{'overhead':>10}")
     summary = {}
     for name, rs in rows.items():
         tps = statistics.mean(r["tps"] for r in rs)
-        al = statistics.mean(r["al"] for r in rs)
+        sp = [r["speedup"] for r in rs]
+        als = [r["al"] for r in rs]
         c = comp.get(name)
         vr = c["verify_s"] / c["ar_step_s"] if c else 1.0
         ov = (c["round_s"] - c["draft_s"] - c["verify_s"]) / c["round_s"] if c else 0.0
-        summary[name] = dict(tokens_per_second=tps, speedup=tps / ar_tps, acceptance_length=al,
-                             verify_cost_ratio=vr, round_overhead=ov, components=c, per_prompt=rs)
-        print(f"{name:<12}{tps:>9.1f}{tps / ar_tps:>7.2f}x{al:>12.2f}{vr:>11.2f}{(100 * ov if c else 0):>9.1f}%")
+        depth = ([statistics.mean(d) for d in zip(*(r["per_depth"] for r in rs))] if "per_depth" in rs[0] else None)
+        summary[name] = dict(tokens_per_second=tps, speedup=tps / ar_tps, median_speedup=statistics.median(sp),
+                             acceptance_length=statistics.mean(als), per_depth_acceptance=depth,
+                             budget=rs[0].get("budget"), verify_cost_ratio=vr, round_overhead=ov, components=c,
+                             per_prompt=rs)
+        label = f"ddtree@auto={rs[0]['budget']}" if name == "ddtree@auto" else name
+        print(f"{label:<13}{tps:>8.1f}{statistics.median(sp):>9.2f}x{f'[{min(sp):.2f}, {max(sp):.2f}]':>14}"
+              f"{statistics.mean(als):>12.2f}{f'[{min(als):.2f}, {max(als):.2f}]':>14}{vr:>11.2f}"
+              f"{(100 * ov if c else 0):>9.1f}%")
+    for name in ("dflash", "ddtree@auto"):
+        d = summary[name]["per_depth_acceptance"]
+        print(f"per-depth acceptance, {name}: " + " ".join(f"{x:.2f}" for x in d))
     if hf_tps is not None:
-        print(f"{'hf generate':<12}{hf_tps:>9.1f}{hf_tps / ar_tps:>7.2f}x{1.0:>12.2f}")
+        print(f"{'hf generate':<13}{hf_tps:>8.1f}{hf_tps / ar_tps:>9.2f}x")
     RESULTS.mkdir(exist_ok=True)
     out = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), args=vars(args),
                transformers_tokens_per_second=hf_tps, results=summary)

@@ -111,6 +111,25 @@ class Cache:
         layers = tuple(e.commit(path, n, self.length, impl) for e in self.layers)
         return replace(self, layers=layers, length=self.length + n)
 
+    def grow(self, max_len: int) -> "Cache":
+        """The same cache with `max_len` slots per row: every buffer with a `seq` axis gets empty slots at the
+        end, the rest (recurrent state) is kept. Attention reads every slot of its buffer, so a batched AR
+        decode starts small and grows by windows instead of reading a mostly empty full-length buffer."""
+        assert max_len >= self.max_len, (max_len, self.max_len)
+
+        def pad(entry):
+            def one(name, axes):
+                x = getattr(entry, name)
+                if "seq" not in axes:
+                    return x
+                widths = [(0, 0)] * x.ndim
+                widths[axes.index("seq")] = (0, max_len - self.max_len)
+                return jnp.pad(x, widths)
+
+            return replace(entry, **{name: one(name, axes) for name, axes in entry.AXES.items()})
+
+        return replace(self, layers=tuple(pad(e) for e in self.layers), max_len=max_len)
+
     def logical_axes(self) -> "Cache":
         """The same pytree with a logical PartitionSpec in place of every buffer."""
         def spec(entry):

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
+from jaxspec.budget import ACCEPTANCE_FILE, read_acceptance
 from jaxspec.checkpoint import DFLASH_ZLAB_RULES, WeightsError, load_params, read_safetensors
 from jaxspec.config import ConfigError, DrafterConfig, default_target_layer_ids, drafter_config_from_dict
 from jaxspec.model import Model
@@ -28,6 +29,7 @@ class Drafter:
     graphdef: Any
     params: Any  # nnx.State of the DFlashDrafter
     layout: Layout | None = None  # sharded over its target's mesh, by the "drafter" rules
+    acceptance: dict[int, float] | None = None  # {budget: acceptance length} on held-out prompts (budget.py)
 
     @property
     def module(self) -> DFlashDrafter:
@@ -66,6 +68,9 @@ class Drafter:
         try:
             (tmp / "config.json").write_text(json.dumps(self.config.to_hf_dict(), indent=2))
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            if self.acceptance:
+                table = {"acceptance_length": {str(b): al for b, al in sorted(self.acceptance.items())}}
+                (tmp / ACCEPTANCE_FILE).write_text(json.dumps(table, indent=2) + "\n")
             if path.exists():
                 shutil.rmtree(path)
             os.replace(tmp, path)
@@ -112,7 +117,7 @@ def load_drafter(path, model: Model) -> Drafter:
     dt = model.dtype
     module = load_params(lambda: DFlashDrafter(cfg, dtype=dt, rngs=nnx.Rngs(0)), read_safetensors(path),
                          DFLASH_ZLAB_RULES, what="drafter checkpoint")
-    return Drafter.from_module(module, model)
+    return dataclasses.replace(Drafter.from_module(module, model), acceptance=read_acceptance(path))
 
 
 def _read_draft_vocab(path: Path, size: int) -> tuple[int, ...]:

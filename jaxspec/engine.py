@@ -95,6 +95,12 @@ def ar_decode(target_def, target_params, state: ARState, stop_at, *, sampling: S
     return jax.lax.while_loop(cond, body, state)
 
 
+@functools.partial(jax.jit, static_argnames=("max_len", "layout"))
+def ar_grow(state: ARState, *, max_len: int, layout: Layout | None = None) -> ARState:
+    """The same state with room for max_len cache slots (Cache.grow): the next window of a batched decode."""
+    return replace(state, cache=_pin(layout, state.cache.grow(max_len)))
+
+
 # ------------------------------------------------------------------------------------ speculative
 
 

@@ -38,7 +38,6 @@ def bundled_model() -> str | None:
 
 
 BUNDLED_DRAFTER = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-instruct"
-BUNDLED_BUDGET = 4  # the fastest DDTree budget for the bundled pair on a 2-core CPU (bench/spec.py)
 
 
 def default_drafter(model_path: str) -> str | None:
@@ -77,9 +76,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", metavar="DIR", help="DFlash drafter directory (z-lab layout)")
     p.add_argument("--method", choices=("auto",) + api.METHODS, default="auto",
                    help="auto = ddtree with a drafter, else ar")
-    p.add_argument("--budget", type=int, metavar="N", help="DDTree node budget (default: block_size - 1)")
+    p.add_argument("--budget", type=_budget, metavar="N|auto",
+                   help="DDTree node budget; auto (the default) picks the fastest from the drafter's measured "
+                        "acceptance and this machine's verify cost")
     p.add_argument("--json", action="store_true", help="print text, token ids and stats as JSON, no streaming")
     return p
+
+
+def _budget(text: str):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
 def read_prompt(args) -> str:
@@ -105,7 +115,7 @@ def check_args(args, drafter_path: str | None) -> None:
     SamplingParams(args.temperature, args.top_k, args.top_p)
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.budget is not None and not 1 <= args.budget <= api.MAX_BUDGET:
+    if isinstance(args.budget, int) and not 1 <= args.budget <= api.MAX_BUDGET:
         raise UsageError(f"--budget must be in [1, {api.MAX_BUDGET}], got {args.budget}")
     if drafter_path is None:
         api.resolve_method(args.method, None, args.budget)
@@ -153,8 +163,8 @@ def run(args) -> None:
     drafter = load_drafter(drafter_path, model) if drafter_path and args.method != "ar" else None
     stream = None if args.json else TextStream(model.tokenizer, sys.stdout)
     budget = args.budget
-    if budget is None and drafter_path == str(BUNDLED_DRAFTER) and args.method in ("auto", "ddtree"):
-        budget = BUNDLED_BUDGET
+    if budget is None and drafter is not None and args.method in ("auto", "ddtree"):
+        budget = "auto"
     res = api.generate(model, prompt, drafter=drafter, method=args.method,
                           budget=budget, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat, on_tokens=stream)

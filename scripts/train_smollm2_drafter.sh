@@ -14,4 +14,5 @@ python -m jaxspec.train --out "$OUT" --work "$WORK" --samples 4 --gen-batch 64 \
     --steps 2000 --batch 8 --anchors 32 --lr 6e-4 \
     --eval-every 1000 --eval-prompts 4 --ckpt-every 250 --save-dtype bfloat16
 
-python bench/spec.py --drafter "$OUT" --budgets 2,4,8,16,32,64 --prompts 8
+# held-out benchmark; writes $OUT/acceptance.json, the acceptance table budget="auto" reads
+python bench/spec.py --drafter "$OUT" --budgets 2,4,8,16,32,64 --prompts 8 --save-acceptance

@@ -178,6 +178,23 @@ def test_right_padding_is_never_committed(target):
                                rtol=0, atol=ATOL)
 
 
+def test_grow_keeps_the_committed_cache(target):
+    """A cache prefilled with room for one more slot, then grown, equals one prefilled at the larger size; the
+    next forward, which writes past the old end, sees the same past."""
+    rng = np.random.default_rng(4)
+    V = target.config.vocab_size
+    prefix = rng.integers(0, V, PREFIX)
+    grown, want = prefill(target, prefix, PREFIX + 1).grow(32), prefill(target, prefix, 32)
+    assert grown.max_len == 32
+    assert jax.tree.map(np.shape, grown) == jax.tree.map(np.shape, want)
+    assert_same_cache(grown, want)
+    nxt = jnp.asarray(rng.integers(0, V, (1, 3)), jnp.int32)
+    pos = jnp.asarray(PREFIX + np.arange(3), jnp.int32)[None]
+    np.testing.assert_allclose(np.asarray(forward(target.graphdef, target.params, nxt, Segment.causal(pos), grown)[0]),
+                               np.asarray(forward(target.graphdef, target.params, nxt, Segment.causal(pos), want)[0]),
+                               rtol=0, atol=ATOL)
+
+
 AXES = {"batch", "seq", "vocab", "embed", "q_heads", "kv_heads", "head_dim", "ffn", "experts", "layers", "tap_embed",
         "latent", "q_latent", "shared_gate", "gdn_heads", "gdn_key_heads", "gdn_key_dim", "gdn_value_dim",
         "conv_channels", "conv_kernel", "per_layer"}

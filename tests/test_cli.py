@@ -149,6 +149,7 @@ def test_no_model_and_nothing_bundled(capsys, monkeypatch):
     (["--method", "dflash"], "needs a drafter"),
     (["--method", "ar", "--budget", "4"], "budget"),
     (["--budget", "0"], "budget"),
+    (["--budget", "many"], "budget"),
     (["--temperature", "-1"], "temperature"),
     (["--top-p", "0"], "top_p"),
     (["--top-p", "1.5"], "top_p"),

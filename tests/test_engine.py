@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jaxspec
+from jaxspec import api, engine
 from jaxspec.checkpoint import WeightsError
 from jaxspec.config import ConfigError, dense_config_from_dict
 from jaxspec.testing import oracle_drafter
@@ -122,6 +123,19 @@ def test_streaming_chunks(target, ar_ref):
         for bad in (0, -1, 2.5):
             with pytest.raises(ValueError, match="chunk_tokens"):
                 jaxspec.generate(target, input_ids=PROMPT, drafter=drafter, on_tokens=got.append, chunk_tokens=bad)
+
+
+def test_batched_ar_grows_the_cache_by_windows(target, ar_ref, monkeypatch):
+    """A left-padded batch decoded over three cache windows gives each row what a full-length cache gives it
+    alone (and row 0 the AR reference)."""
+    other = PROMPT[5:]
+    grown, real_grow = [], engine.ar_grow
+    monkeypatch.setattr(engine, "ar_grow", lambda s, **kw: grown.append(kw["max_len"]) or real_grow(s, **kw))
+    res = jaxspec.generate(target, input_ids=[PROMPT, other], method="ar", max_new_tokens=150)
+    assert grown == [192, 256]  # prompt slots 64: windows of 128, 192 and 256 slots
+    monkeypatch.setattr(api, "ar_window", lambda model, batch, max_len: max_len)
+    alone = jaxspec.generate(target, input_ids=other, method="ar", max_new_tokens=150).token_ids
+    assert res.token_ids == [ar_ref[:150], alone]
 
 
 def test_context_needs_no_slack_for_the_tree():

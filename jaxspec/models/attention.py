@@ -68,17 +68,24 @@ def sliding(mask, positions, key_pos, window):
 
 
 def attend(q, k, v, mask, scale, softcap=None):
-    """Softmax attention in float32. q: [B, N, H, D]; k, v: [B, KVH, T, D]; mask: [B, N, T] -> [B, N, H, D]."""
+    """Softmax attention in float32. q: [B, N, H, D]; k, v: [B, KVH, T, D]; mask: [B, N, T] -> [B, N, H, D].
+
+    Each KV head's query group is laid out as one [G * N, D] matrix first, so both products are plain batched
+    matmuls over (row, KV head); XLA:CPU runs the 5-d einsum over (g, n) several times slower (3.6x at AR
+    batch 64, 2.6x for a 33-node verify on this machine). k and v are used as stored: a reshape of the
+    freshly written cache makes XLA copy it every step."""
     B, N, H, D = q.shape
-    KVH = k.shape[1]
-    qg = q.reshape(B, N, KVH, H // KVH, D)
-    s = jnp.einsum("bnkgd,bktd->bkgnt", qg, k, preferred_element_type=jnp.float32) * scale
+    KVH, T = k.shape[1], k.shape[2]
+    G = H // KVH
+    qg = q.reshape(B, N, KVH, G, D).transpose(0, 2, 3, 1, 4).reshape(B, KVH, G * N, D)
+    s = jnp.einsum("bkqd,bktd->bkqt", qg, k, preferred_element_type=jnp.float32) * scale
+    s = s.reshape(B, KVH, G, N, T)
     if softcap:
         s = softcap * jnp.tanh(s / softcap)
     s = jnp.where(mask[:, None, None, :, :], s, NEG_INF)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    o = jnp.einsum("bkgnt,bktd->bnkgd", p, v, preferred_element_type=jnp.float32)
-    return o.reshape(B, N, H, D).astype(q.dtype)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype).reshape(B, KVH, G * N, T)
+    o = jnp.einsum("bkqt,bktd->bkqd", p, v, preferred_element_type=jnp.float32)
+    return o.reshape(B, KVH, G, N, D).transpose(0, 3, 1, 2, 4).reshape(B, N, H, D).astype(q.dtype)
 
 
 class Attention(nnx.Module):

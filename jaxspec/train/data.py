@@ -22,6 +22,8 @@ from jaxspec.api import encode_prompt, generate
 from jaxspec.model import Model
 from jaxspec.segment import Segment
 
+SHIPPED = ("train", "heldout", "selfinstruct")
+
 
 @dataclass
 class Dataset:
@@ -38,25 +40,34 @@ class Dataset:
         return Dataset(z["tokens"], z["loss_mask"], z["lengths"])
 
 
-def read_prompts(source: str | Path) -> list[str]:
-    """A .jsonl of {"prompt": ...} lines; 'train' / 'heldout' name the prompt set shipped with jaxspec."""
-    if str(source) in ("train", "heldout"):
+def read_prompt_records(source: str | Path) -> list[dict]:
+    """A .jsonl of {"prompt": ..., ...} lines; 'train' / 'heldout' / 'selfinstruct' name the prompt sets shipped
+    with jaxspec (prompts/README.md)."""
+    if str(source) in SHIPPED:
         text = resources.files("jaxspec.train").joinpath(f"prompts/{source}.jsonl").read_text()
     else:
         path = Path(source)
         if not path.is_file():
             raise FileNotFoundError(f"prompt file {path} not found; pass a .jsonl with one {{\"prompt\": ...}} per line")
         text = path.read_text()
-    prompts = []
+    records = []
     for i, line in enumerate(text.splitlines()):
         if line.strip():
             try:
-                prompts.append(json.loads(line)["prompt"])
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                record = json.loads(line)
+                if not isinstance(record.get("prompt"), str):
+                    raise KeyError("prompt")
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
                 raise ValueError(f"{source}: line {i + 1} is not a JSON object with a 'prompt' ({e})") from e
-    if not prompts:
+            records.append(record)
+    if not records:
         raise ValueError(f"{source} holds no prompts")
-    return prompts
+    return records
+
+
+def read_prompts(source: str | Path) -> list[str]:
+    """The prompts of read_prompt_records(source)."""
+    return [r["prompt"] for r in read_prompt_records(source)]
 
 
 def self_distill(model: Model, prompts: list[str], seq_len: int, *, samples: int = 1, temperature: float = 0.8,

@@ -1,0 +1,67 @@
+"""budget="auto": the best measured entry of the drafter's acceptance table at this machine's costs."""
+import json
+
+import pytest
+
+import jaxspec
+from jaxspec import budget as budget_mod
+from jaxspec.budget import best_budget, read_acceptance
+from test_engine import PROMPT, tiny_target
+
+
+def test_best_budget_is_the_fastest_entry():
+    # AR step 10 ms, draft 2 ms; verify grows with the tree: rates 1.8/(2+14)=.1125, 2.4/(2+20)=.109, 3.0/(2+40)
+    acceptance = {4: 1.8, 8: 2.4, 32: 3.0}
+    verify = {0: 0.010, 4: 0.014, 8: 0.020, 32: 0.040}
+    b, speedup = best_budget(acceptance, 0.002, verify)
+    assert b == 4
+    assert speedup[4] == pytest.approx(1.8 * 10 / 16) and speedup[32] == pytest.approx(3.0 * 10 / 42)
+    b, _ = best_budget(acceptance, 0.002, {0: 0.010, 4: 0.014, 8: 0.015, 32: 0.040})  # a cheap 9-node verify
+    assert b == 8
+
+
+def test_read_acceptance(tmp_path):
+    assert read_acceptance(tmp_path) is None
+    (tmp_path / "acceptance.json").write_text(json.dumps({"acceptance_length": {"4": 1.8, "16": 2.1}}))
+    assert read_acceptance(tmp_path) == {4: 1.8, 16: 2.1}
+    (tmp_path / "acceptance.json").write_text("{not json")
+    with pytest.raises(ValueError, match="bench/spec.py --save-acceptance"):
+        read_acceptance(tmp_path)
+    (tmp_path / "acceptance.json").write_text(json.dumps({"acceptance_length": {"0": 1.8}}))
+    with pytest.raises(ValueError, match="no valid entries"):
+        read_acceptance(tmp_path)
+
+
+def test_auto_measures_once_and_stays_lossless(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    m = tiny_target("qwen3")
+    d = jaxspec.init_drafter(m, num_layers=1, block_size=8, seed=3)
+    want = jaxspec.generate(m, input_ids=PROMPT, method="ar", max_new_tokens=24).token_ids
+
+    res = jaxspec.generate(m, input_ids=PROMPT, drafter=d, budget="auto", max_new_tokens=24)
+    assert res.stats["budget"] == 7 and res.stats["budget_source"].startswith("default")  # no table: block_size - 1
+
+    d.save(tmp_path / "d")
+    (tmp_path / "d" / "acceptance.json").write_text(json.dumps({"acceptance_length": {"2": 1.5, "6": 1.9}}))
+    d = jaxspec.load_drafter(tmp_path / "d", m)
+    assert d.acceptance == {2: 1.5, 6: 1.9}
+    res = jaxspec.generate(m, input_ids=PROMPT, drafter=d, budget="auto", max_new_tokens=24)
+    assert res.stats["budget_source"] == "auto" and res.stats["budget"] in (2, 6)
+    assert set(res.stats["predicted_speedup"]) == {"2", "6"}
+    assert res.token_ids == want
+    assert len(json.loads((tmp_path / "cache" / "costs.json").read_text())) == 1
+
+    monkeypatch.setattr(budget_mod, "measure_costs", lambda *a: pytest.fail("costs were not read from the cache"))
+    again = jaxspec.generate(m, input_ids=PROMPT, drafter=d, budget="auto", max_new_tokens=24)
+    assert again.stats["budget"] == res.stats["budget"]
+
+    d.save(tmp_path / "d2")  # the table travels with the weights
+    assert read_acceptance(tmp_path / "d2") == {2: 1.5, 6: 1.9}
+
+
+def test_bad_budget():
+    m = tiny_target("qwen3")
+    d = jaxspec.init_drafter(m, num_layers=1, block_size=8, seed=3)
+    for bad in ("fast", 0, 2.5):
+        with pytest.raises(ValueError, match="or 'auto'"):
+            jaxspec.generate(m, input_ids=PROMPT, drafter=d, budget=bad, max_new_tokens=4)
