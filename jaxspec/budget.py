@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import statistics
 import time
@@ -102,6 +103,9 @@ def costs(model, drafter, budgets) -> dict:
     if key in known:
         c = known[key]
         return dict(draft_s=c["draft_s"], verify_s={int(b): s for b, s in c["verify_s"].items()})
+    logging.getLogger(__name__).warning(
+        "jaxspec: timing verify forwards of %s nodes for budget='auto' (once per machine; kept in %s)",
+        sorted(1 + b for b in budgets), path)
     c = measure_costs(model, drafter, budgets)
     known[key] = c
     try:
