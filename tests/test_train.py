@@ -78,6 +78,34 @@ def test_training_learns(draft_vocab):
     assert after.stats["acceptance_length"] > before.stats["acceptance_length"] + 0.3
 
 
+def test_early_stopping_keeps_the_best_evaluation(tmp_path, monkeypatch):
+    """Scripted held-out scores 1, 3, 2, 2.5: with patience 2 training stops at the 4th evaluation (step 20)
+    and returns the parameters evaluated at step 10, also when the stopped run is resumed."""
+    import jaxspec.train.trainer as T
+
+    m = tiny_target("qwen3")
+    data, prompts = tiny_data(m)
+    d = jaxspec.init_drafter(m, num_layers=1, block_size=8)
+    taps = compute_taps(m, data, d.config.target_layer_ids)
+    scores, seen = iter([1.0, 3.0, 2.0, 2.5, 9.0]), []
+
+    def fake_al(model, drafter, heldout, max_new_tokens):
+        seen.append(jax.tree.map(np.asarray, drafter.params))
+        return next(scores)
+
+    monkeypatch.setattr(T, "acceptance_length", fake_al)
+    cfg = TrainConfig(steps=40, batch=4, anchors=8, lr=3e-3, ckpt_every=100, eval_every=5, patience=2)
+    logs = []
+    out = train(m, d, data, taps, cfg, ckpt_dir=tmp_path, heldout=prompts[:1], log=logs.append)
+    assert len(seen) == 4  # evaluations at 5, 10, 15, 20, then the stop
+    flat = lambda p: np.concatenate([np.ravel(x) for x in jax.tree.leaves(p)])  # noqa: E731
+    np.testing.assert_array_equal(flat(out.params), flat(seen[1]))
+    assert not np.array_equal(flat(seen[1]), flat(seen[3]))
+    again = train(m, d, data, taps, cfg, ckpt_dir=tmp_path, heldout=prompts[:1], log=logs.append)
+    assert len(seen) == 4 and "resumed from" in logs[-2] and "step 10" in logs[-1]  # no step was run
+    np.testing.assert_array_equal(flat(again.params), flat(seen[1]))
+
+
 RUN = textwrap.dedent("""
     import os, signal, sys, numpy as np, jax
     sys.path.insert(0, {tests!r})

@@ -33,7 +33,10 @@ def parse_args(argv):
     ap.add_argument("--gen-batch", type=int, default=64, help="prompts per batched generation call")
     ap.add_argument("--text", nargs="*", default=[], help="plain text files to train on as well")
     ap.add_argument("--heldout", default="heldout", help="prompt .jsonl for the acceptance-length evaluation")
-    ap.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts per evaluation (0: none)")
+    ap.add_argument("--eval-prompts", type=int, default=4,
+                    help="held-out prompts per evaluation, the last N of --heldout (bench/spec.py takes the first); 0: none")
+    ap.add_argument("--patience", type=int, default=0,
+                    help="stop after N evaluations without a better held-out acceptance (0: run every step)")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--num-layers", type=int, default=2)
     ap.add_argument("--num-taps", type=int, default=3)
@@ -72,6 +75,8 @@ def run(args) -> None:
     for name in ("steps", "batch", "anchors", "seq_len", "num_layers", "num_taps", "ckpt_every", "eval_every", "samples", "gen_batch"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.patience < 0 or args.eval_prompts < 0:
+        raise ValueError("--patience and --eval-prompts must be >= 0")
     if args.draft_vocab < 0:
         raise ValueError("--draft-vocab must be >= 0 (0: the whole vocabulary)")
     if args.no_prompts and not args.text:
@@ -124,9 +129,10 @@ def run(args) -> None:
         raise ValueError(f"{work} holds a run with a different drafter shape; use a new --work directory")
     spec.write_text(json.dumps(drafter.config.to_hf_dict(), indent=2))
 
-    heldout = read_prompts(args.heldout)[: args.eval_prompts] if args.eval_prompts else None
+    heldout = read_prompts(args.heldout)[-args.eval_prompts:] if args.eval_prompts else None
     cfg = TrainConfig(steps=args.steps, batch=args.batch, anchors=args.anchors, lr=args.lr, gamma=args.gamma,
-                      seed=args.seed, ckpt_every=args.ckpt_every, eval_every=args.eval_every)
+                      seed=args.seed, ckpt_every=args.ckpt_every, eval_every=args.eval_every,
+                      patience=args.patience)
     trained = train(model, drafter, data, taps, cfg, ckpt_dir=work / "checkpoints", heldout=heldout,
                     log=lambda m: print(m, file=sys.stderr))
     trained.save(args.out, dtype=args.save_dtype)

@@ -8,10 +8,17 @@ as good as its prefix). AdamW with warm-up + cosine decay and gradient clipping 
 Runs are resumable: the batch and anchors of step i are a pure function of (seed, i), and Orbax keeps
 the parameters, optimiser state and step, so a run killed at any point and resumed ends where an
 uninterrupted run ends.
+
+Held-out early stopping: every `eval_every` steps the drafter decodes held-out prompts with DDTree and
+its acceptance length is measured; the best-scoring parameters are kept (on disk, so a resumed run keeps
+them too) and returned, and training stops once `patience` evaluations in a row have not beaten the best.
+A drafter overfits its self-distillation data long before the training loss stops falling, and
+acceptance, not loss, is what makes decoding fast.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +51,7 @@ class TrainConfig:
     ckpt_every: int = 100
     eval_every: int = 250
     eval_tokens: int = 64
+    patience: int = 0  # evaluations without a new best before stopping; 0: never stop early
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -93,12 +101,17 @@ def block_loss(target, drafter, taps, tokens, loss_mask, anchors, keep, mask_tok
 
 def train(model: Model, drafter: Drafter, data: Dataset, taps: np.ndarray, cfg: TrainConfig, *, ckpt_dir: Path,
           heldout: list | None = None, log=print) -> Drafter:
-    """Train `drafter` for `model`, resuming from the newest checkpoint in ckpt_dir if there is one."""
+    """Train `drafter` for `model`, resuming from the newest checkpoint in ckpt_dir if there is one.
+
+    With `heldout` prompts, returns the parameters of the best held-out evaluation (see the module doc)."""
     ckpt_dir = Path(ckpt_dir).absolute()
     opt = make_optimizer(cfg)
     params = drafter.params
     opt_state = opt.init(params)
     mgr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+    best_mgr = ocp.CheckpointManager(ckpt_dir / "best", options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
+    best_file = ckpt_dir / "best.json"  # {"step", "acceptance_length"} of the parameters in best/
+    best = json.loads(best_file.read_text()) if best_file.exists() else None
     start = 0
     if mgr.latest_step() is not None:
         start = mgr.latest_step()
@@ -107,6 +120,9 @@ def train(model: Model, drafter: Drafter, data: Dataset, taps: np.ndarray, cfg: 
         log(f"resumed from {ckpt_dir} at step {start}")
     dg, tg, tp = drafter.graphdef, model.graphdef, model.params
     mask_id = drafter.config.mask_token_id
+
+    def stale(done):  # patience evaluations since the best one
+        return bool(heldout) and cfg.patience > 0 and best is not None and done - best["step"] >= cfg.patience * cfg.eval_every
 
     @jax.jit
     def step_fn(params, opt_state, taps, tokens, loss_mask, anchors, keep):
@@ -120,7 +136,7 @@ def train(model: Model, drafter: Drafter, data: Dataset, taps: np.ndarray, cfg: 
     Bk = drafter.config.block_size
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train", unit="step", mininterval=2.0)
     t0, seen = time.perf_counter(), 0
-    for step in bar:
+    for step in ([] if stale(start) else bar):
         seqs, anchors, keep = sample_batch(data, step, cfg, Bk)
         params, opt_state, loss, acc = step_fn(params, opt_state, jnp.asarray(taps[seqs]), jnp.asarray(data.tokens[seqs]),
                                                jnp.asarray(data.loss_mask[seqs]), jnp.asarray(anchors), jnp.asarray(keep))
@@ -128,13 +144,26 @@ def train(model: Model, drafter: Drafter, data: Dataset, taps: np.ndarray, cfg: 
         bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{float(acc):.3f}",
                         tok_s=f"{seen / (time.perf_counter() - t0):.0f}", refresh=False)
         done = step + 1
-        if done % cfg.ckpt_every == 0 or done == cfg.steps:
-            mgr.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
-            mgr.wait_until_finished()
         if heldout and (done % cfg.eval_every == 0 or done == cfg.steps):
             al = acceptance_length(model, dataclasses.replace(drafter, params=params), heldout, cfg.eval_tokens)
-            bar.write(f"step {done}: held-out acceptance length {al:.2f} (ddtree, budget 16, greedy)")
+            if best is None or al > best["acceptance_length"]:
+                best_mgr.save(done, args=ocp.args.StandardSave(params))
+                best_mgr.wait_until_finished()
+                best = dict(step=done, acceptance_length=al)
+                best_file.write_text(json.dumps(best))
+            bar.write(f"step {done}: held-out acceptance length {al:.2f} (ddtree, budget 16, greedy); "
+                      f"best {best['acceptance_length']:.2f} at step {best['step']}")
+        if done % cfg.ckpt_every == 0 or done == cfg.steps or stale(done):
+            mgr.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+            mgr.wait_until_finished()
+        if stale(done):
+            bar.write(f"early stop at step {done}: no better held-out acceptance in {cfg.patience} evaluations")
+            break
     mgr.close()
+    if heldout and best is not None:
+        params = best_mgr.restore(best["step"], args=ocp.args.StandardRestore(params))
+        log(f"keeping the parameters of step {best['step']} (held-out acceptance length {best['acceptance_length']:.2f})")
+    best_mgr.close()
     return dataclasses.replace(drafter, params=params)
 
 
