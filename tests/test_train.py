@@ -45,6 +45,22 @@ def test_train_forward_matches_drafting(vocab):
         np.testing.assert_allclose(np.asarray(dm.head(tgt, h_train[0, j, 1:])), want, atol=1e-4)
 
 
+@pytest.mark.parametrize("steps", [1, 2, 1000])
+def test_schedule_warms_up_then_decays(steps):
+    """Any --steps >= 1 gets a schedule (a 1-step run once crashed optax's cosine decay)."""
+    import optax
+
+    from jaxspec.train.trainer import make_optimizer
+
+    p = {"w": jnp.ones(3)}
+    opt = make_optimizer(TrainConfig(steps=steps, lr=1e-2))
+    state = opt.init(p)
+    for _ in range(min(steps, 3)):
+        u, state = opt.update({"w": jnp.ones(3)}, state, p)
+        p = optax.apply_updates(p, u)
+    assert np.isfinite(np.asarray(p["w"])).all()
+
+
 def test_frequent_tokens():
     tokens = np.array([[5, 5, 5, 7, 7, 9, 1, 1]])
     mask = np.array([[0, 1, 1, 1, 1, 1, 1, 1]], bool)  # the first 5 is prompt: counts 5:2, 7:2, 1:2, 9:1

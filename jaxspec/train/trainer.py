@@ -55,7 +55,8 @@ class TrainConfig:
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(1, int(cfg.warmup * cfg.steps)), cfg.steps, cfg.lr * 0.05)
+    warmup = max(1, int(cfg.warmup * cfg.steps))
+    sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1), cfg.lr * 0.05)
     return optax.chain(optax.clip_by_global_norm(cfg.clip), optax.adamw(sched, weight_decay=cfg.weight_decay))
 
 
