@@ -216,8 +216,8 @@ def main(argv=None):
     tag = "tiny" if args.model == "tiny" else "smollm2" if args.model is None else Path(args.model).stem
     name = f"spec_{tag}_{Path(args.drafter).name}"
     (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=2))
-    plot(summary, budgets, hf_tps, RESULTS / f"{name}.png", f"{tag}, drafter {Path(args.drafter).name}")
-    print(f"wrote {RESULTS / name}.json and .png")
+    plotted = plot(summary, budgets, hf_tps, RESULTS / f"{name}.png", f"{tag}, drafter {Path(args.drafter).name}")
+    print(f"wrote {RESULTS / name}.json" + (" and .png" if plotted else ""))
 
 
 def transformers_reference(model, gguf, inputs, max_new_tokens):
@@ -244,7 +244,7 @@ def plot(summary, budgets, hf_tps, path, title):
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib not installed: no plot")
-        return
+        return False
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     tree = [summary[f"ddtree@{k}"] for k in budgets]
     a.plot(budgets, [r["tokens_per_second"] for r in tree], "o-", label="DDTree")
@@ -264,6 +264,7 @@ def plot(summary, budgets, hf_tps, path, title):
     b.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return True
 
 
 if __name__ == "__main__":
