@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduce the bundled SmolLM2-135M-Instruct drafter from scratch (jaxspec/drafters/smollm2-135m-instruct)
-# and benchmark it. On the 2-core development VM: self-distillation ~35 min, taps ~11 min, training ~50 min.
+# and benchmark it. On the 2-core development VM: self-distillation ~35 min, taps ~11 min, training ~45 min.
 # Rerunning resumes: the data cache and Orbax checkpoints live in $WORK.
 #   bash scripts/train_smollm2_drafter.sh [WORK_DIR]
 set -euo pipefail

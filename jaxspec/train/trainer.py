@@ -110,7 +110,8 @@ def train(model: Model, drafter: Drafter, data: Dataset, taps: np.ndarray, cfg: 
     params = drafter.params
     opt_state = opt.init(params)
     mgr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
-    best_mgr = ocp.CheckpointManager(ckpt_dir / "best", options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
+    best_mgr = (ocp.CheckpointManager(ckpt_dir / "best", options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
+                if heldout else None)
     best_file = ckpt_dir / "best.json"  # {"step", "acceptance_length"} of the parameters in best/
     best = json.loads(best_file.read_text()) if best_file.exists() else None
     start = 0
@@ -164,7 +165,8 @@ def train(model: Model, drafter: Drafter, data: Dataset, taps: np.ndarray, cfg: 
     if heldout and best is not None:
         params = best_mgr.restore(best["step"], args=ocp.args.StandardRestore(params))
         log(f"keeping the parameters of step {best['step']} (held-out acceptance length {best['acceptance_length']:.2f})")
-    best_mgr.close()
+    if best_mgr:
+        best_mgr.close()
     return dataclasses.replace(drafter, params=params)
 
 
