@@ -15,8 +15,8 @@ Per device:
     what `jaxspec.load(quantize=)` packs (`quant.linear_plan`: every projection, the routed experts, the
     embedding and an untied LM head; not norms or routers). A directory converted with `checkpoints_convert
     --quantize` counts as its `packing.json` records (it cannot be repacked, so another `--quantize` is
-    refused, as `jaxspec.load` refuses it). Counted as jaxspec keeps them (models/quant.py): one byte per code,
-    int4 included (XLA has no int4 dot on CPU; two codes per byte needs a GPU kernel that unpacks them).
+    refused, as `jaxspec.load` refuses it). Counted as jaxspec keeps them (models/quant.py): int8 one byte
+    per code, int4 two codes per byte, scales (and offsets) in the model's dtype.
   * caches: init_cache(batch, max_len) as jaxspec allocates it (sliding-window layers keep the full length).
   * verify scratch for N = 1 + budget tree nodes, an estimate of what one verify forward holds at its peak:
     float32 logits [B, N, V] (replicated: acceptance reads the whole row) + one layer's activations
@@ -126,7 +126,8 @@ def plan(config: dict, *, tp: int = 8, budget: int = 64, max_len: int = 32768, b
     weights = 0
     for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
         key = ".".join(str(p) for p in path)
-        nbytes = _packed_bytes(var.shape, schemes[key]) if key in schemes else _nbytes(var.shape, var.dtype)
+        nbytes = (_packed_bytes(var.shape, schemes[key], var.dtype) if key in schemes
+                  else _nbytes(var.shape, var.dtype))
         weights += nbytes // _shards(layout, var.get_metadata()["out_sharding"], var.shape)
     cache = jax.eval_shape(lambda: module.init_cache(batch, max_len))
     specs = jax.tree.leaves(cache.logical_axes(), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
@@ -187,14 +188,14 @@ def _schemes(module: nnx.Module, config: dict, quantize: str | None,
     return schemes, f"routed experts int4 / {group}" if group else "none"
 
 
-def _packed_bytes(shape, scheme: quant.Scheme) -> int:
+def _packed_bytes(shape, scheme: quant.Scheme, dtype) -> int:
     """Bytes of a parameter of float shape `shape` packed as `scheme`, as jaxspec keeps it (models/quant.py):
-    one byte per code, int4 included, not two codes per byte, and a bf16 scale (and offset) per group of
-    inputs, or per output column when the group is the whole input (int8). A kernel or stacked expert is
-    [..., in, out] (transposed when packed), an embedding [out, in]."""
+    int8 one byte per code, int4 half a byte, and a scale (and offset) in `dtype` per group of inputs, or per
+    output column when the group is the whole input (int8). A kernel or stacked expert is [..., in, out]
+    (transposed when packed), an embedding [out, in]."""
     n = int(np.prod(shape))
     groups = n // (scheme.group or shape[-2 if scheme.transposed else -1])
-    return n + 2 * groups * (2 if scheme.offset else 1)
+    return n * scheme.bits // 8 + np.dtype(dtype).itemsize * groups * (2 if scheme.offset else 1)
 
 
 def _nbytes(shape, dtype) -> int:

@@ -1,6 +1,7 @@
 """Packed (int8 / int4) weights: fused matmul vs dequantise-first, GGUF block repacking vs gguf's dequantiser,
 round-to-nearest error bound, native GGUF loading, and lossless speculative decoding on packed targets."""
 import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,7 @@ import pytest
 
 import jaxspec
 from jaxspec.checkpoint.gguf import repack
-from jaxspec.models import quant
+from jaxspec.models import cpu_kernel, quant
 from jaxspec.models.deepseek import deepseek_config_from_dict
 from jaxspec.testing import oracle_drafter
 
@@ -18,36 +19,74 @@ SCHEMES = {"int8-channel": quant.Scheme(8, None), "int8-g32": quant.Scheme(8, 32
 
 
 def packed_weight(scheme, out=48, cols=64, seed=0):
-    """A Packed [out, cols] with random codes in the scheme's range, scales and (if any) offsets."""
+    """A Packed [out, cols] with random codes in the scheme's range, scales and (if any) offsets, and its float
+    weight computed here from the integer codes (the independent reference)."""
     rng = np.random.default_rng(seed)
     lo, hi = (-127, 128) if scheme.bits == 8 else ((0, 16) if scheme.offset else (-8, 8))
     g = scheme.group or cols
-    pt = quant.PackedTensor(rng.integers(lo, hi, (out, cols)).astype(np.int8),
-                            rng.uniform(0.01, 0.1, (out, cols // g)).astype(np.float32),
-                            rng.normal(0, 0.1, (out, cols // g)).astype(np.float32) if scheme.offset else None)
+    codes = rng.integers(lo, hi, (out, cols))
+    scale = rng.uniform(0.01, 0.1, (out, cols // g)).astype(np.float32)
+    offset = rng.normal(0, 0.1, (out, cols // g)).astype(np.float32) if scheme.offset else None
+    w = codes.astype(np.float32) * np.repeat(scale, g, axis=1) + (0 if offset is None else np.repeat(offset, g, axis=1))
+    stored = codes.astype(np.int8) if scheme.bits == 8 else quant.pack_nibbles(codes + (0 if scheme.offset else 8))
+    pt = quant.PackedTensor(stored, scale, offset)
     p = quant.Packed((out, cols), ("embed", "ffn"), scheme)
     for k, v in pt.parts().items():
         getattr(p, k).set_value(jnp.asarray(v))
-    return p, pt
+    return p, pt, w
+
+
+def assert_float_product(got, x, w):
+    """got equals x @ w.T up to float32 summation error: within 1e-5 of sum |x| |w| (float64 reference)."""
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    err = np.abs(np.asarray(got, np.float64) - x @ w.T)
+    assert (err <= 1e-5 * (np.abs(x) @ np.abs(w).T) + 1e-30).all(), err.max()
 
 
 @pytest.mark.parametrize("name", list(SCHEMES))
 @pytest.mark.parametrize("rows", [1, 5])
 def test_packed_matmul_equals_dequantize_then_matmul(name, rows):
-    p, pt = packed_weight(SCHEMES[name])
+    p, pt, w = packed_weight(SCHEMES[name])
+    np.testing.assert_allclose(pt.dequantize(), w, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(quant.dequantize(*p.parts())), w, rtol=1e-6)
     x = np.random.default_rng(1).normal(size=(1, rows, 64)).astype(np.float32)
-    got = jax.jit(quant.matmul)(jnp.asarray(x), p)
-    np.testing.assert_allclose(np.asarray(got), x @ pt.dequantize().T, rtol=1e-5, atol=1e-5)
+    assert_float_product(jax.jit(quant.matmul)(jnp.asarray(x), p)[0], x[0], w)
+    xla = jax.jit(lambda x: quant._matmul_xla(x, *p.parts()))  # the path without the CPU kernel (GPU, no compiler)
+    assert_float_product(xla(jnp.asarray(x))[0], x[0], w)
 
 
-@pytest.mark.parametrize("name", ["int8-channel", "int4-g32-offset"])
-def test_single_row_matmul_reads_codes_without_a_float_weight(name):
-    """The batch-1 product never builds a float [out, in] weight: group scales are fused into one loop over the
-    codes, per-channel int8 runs as an int8 dot; checked in the compiled HLO."""
-    p, _ = packed_weight(SCHEMES[name], out=96, cols=128)
-    hlo = jax.jit(quant.matmul).lower(jnp.ones((1, 1, 128)), p).compile().as_text()
-    entry = hlo.split("ENTRY")[1]
-    assert not re.search(r"= f32\[(96,128|128,96)\]", entry), entry
+def test_nibbles_are_gguf_block_order():
+    """Byte j of a 32-input block holds input j (low nibble) and input j + 16 (high)."""
+    codes = np.arange(64) % 16
+    packed = quant.pack_nibbles(codes[None])
+    assert packed.shape == (1, 32) and packed[0, 3] == 3 | (3 << 4) and packed[0, 20] == 4 | (4 << 4)
+    codes = np.random.default_rng(0).integers(0, 16, (3, 96))
+    np.testing.assert_array_equal(np.asarray(quant.unpack_nibbles(jnp.asarray(quant.pack_nibbles(codes)))), codes)
+
+
+def test_cpu_kernel_builds_where_a_compiler_is():
+    """The packed products must not silently fall back to XLA's slow loop on a machine that can build the
+    kernel (CI has a C++ compiler)."""
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler")
+    assert cpu_kernel.available()
+
+
+@pytest.mark.parametrize("name,group", [("int4-g32-offset", 32), ("int4-g32", 32), ("int8-g32", 32),
+                                        ("int4-g32-offset", 64), ("int8-g32", 96)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 9])
+def test_cpu_kernel_tiles_and_threads(name, group, rows):
+    """Every tile shape (1 / 2 / 3 / 4 input rows, an odd number of output rows), groups of several 32-input
+    blocks, and a size that splits over XLA's threads, against the float product."""
+    if not cpu_kernel.available():
+        pytest.skip("no C++ compiler")
+    scheme = quant.Scheme(SCHEMES[name].bits, group, SCHEMES[name].offset)
+    p, _, w = packed_weight(scheme, out=517, cols=192, seed=rows)
+    x = np.random.default_rng(2).normal(size=(rows, 192)).astype(np.float32)
+    got = jax.jit(lambda x: cpu_kernel.packed_matmul(x, *p.parts()))(jnp.asarray(x))
+    assert_float_product(got, x, w)
+    hlo = jax.jit(quant.matmul).lower(jnp.asarray(x), p).as_text()
+    assert cpu_kernel.TARGET in hlo
 
 
 def unfused_instructions(hlo: str) -> str:
@@ -58,10 +97,10 @@ def unfused_instructions(hlo: str) -> str:
 
 
 def test_decode_loop_keeps_the_dequantisation_inside():
-    """In a while loop the packed weight is loop-invariant; its int8 -> float conversion must not be hoisted
-    out (that materialises the float weight once and runs a slower loop inside)."""
-    p, _ = packed_weight(SCHEMES["int4-g32-offset"], out=128, cols=128)
-    step = lambda i, x: x + quant.matmul(x, p)  # noqa: E731
+    """XLA's path (no CPU kernel): in a while loop the packed weight is loop-invariant; its int8 -> float
+    conversion must not be hoisted out (that materialises the float weight once and runs a slower loop inside)."""
+    p, _, _ = packed_weight(SCHEMES["int8-g32"], out=128, cols=128)
+    step = lambda i, x: x + quant._matmul_xla(x, *p.parts())  # noqa: E731
     hlo = jax.jit(lambda x: jax.lax.fori_loop(0, 4, step, x)).lower(jnp.ones((1, 1, 128))).compile().as_text()
     assert "while" in hlo
     assert not re.search(r"= f32\[128,128\]", unfused_instructions(hlo))
@@ -74,7 +113,8 @@ def test_gguf_repack_equals_gguf_dequantize(type_name):
     w = np.random.default_rng(0).normal(size=(24, 96)).astype(np.float32)
     raw = gguf.quants.quantize(w, qtype)  # uint8 [24, 3 blocks * bytes]
     pt = repack(raw, type_name)
-    assert pt.codes.dtype == np.int8 and pt.codes.shape == (24, 96) and pt.scale.shape == (24, 3)
+    stored = (np.int8, (24, 96)) if type_name == "Q8_0" else (np.uint8, (24, 48))  # 4-bit: two codes per byte
+    assert (pt.codes.dtype, pt.codes.shape) == stored and pt.shape == (24, 96) and pt.scale.shape == (24, 3)
     np.testing.assert_array_equal(pt.dequantize(), gguf.quants.dequantize(raw, qtype))
 
 

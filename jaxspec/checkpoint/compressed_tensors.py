@@ -8,8 +8,8 @@ Each quantised Linear `<p>.weight` is stored as three tensors: `<p>.weight_packe
 (q - 8) * scale, so the family's name table sees plain HF names; every other tensor passes through.
 
 With `jaxspec.load(..., quantize=...)` set (any value) the triples stay packed instead
-(`packed`): `<p>.weight` arrives as a `PackedTensor` (codes q - 8 as int8 [out, in], the scales widened to
-float32) and fills a packed parameter, never a float one. That is how a real Kimi K2 fits: dequantised to
+(`packed`): `<p>.weight` arrives as a `PackedTensor` (the 4-bit codes regrouped two per byte in jaxspec's
+block order, the scales widened to float32) and fills a packed parameter, never a float one. That is how a real Kimi K2 fits: dequantised to
 bf16 its experts need ~1.9 TiB. Without `quantize` they are dequantised (small checkpoints, tests);
 requantising an INT4 checkpoint to int8 would only lose precision, so `int8` keeps them as stored too.
 """
@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxspec.checkpoint.core import WeightsError
 from jaxspec.checkpoint.fp8 import dequantize_fp8_blocks, fp8_block_size
-from jaxspec.models.quant import PackedTensor, Scheme
+from jaxspec.models.quant import PackedTensor, Scheme, pack_nibbles
 
 _PARTS = ("weight_packed", "weight_scale", "weight_shape")
 
@@ -66,7 +66,8 @@ def dequantize(packed: np.ndarray, scale: np.ndarray, shape, group_size: int) ->
 
 
 def packed(packed_words: np.ndarray, scale: np.ndarray, shape, group_size: int) -> PackedTensor:
-    """One quantised Linear's triple -> PackedTensor [out, in] (codes in [-8, 7], one scale per group)."""
+    """One quantised Linear's triple -> PackedTensor [out, in] (4-bit codes two per byte in jaxspec's block
+    order, stored + 8 as here; one scale per group)."""
     out, cols = (int(s) for s in np.asarray(shape).reshape(-1))
     if cols % group_size:
         raise WeightsError(f"a packed weight with {cols} inputs is not a whole number of groups of {group_size}; "
@@ -74,7 +75,10 @@ def packed(packed_words: np.ndarray, scale: np.ndarray, shape, group_size: int) 
     if packed_words.shape != (out, -(-cols // 8)) or scale.shape != (out, cols // group_size):
         raise WeightsError(f"packed {packed_words.shape} / scale {scale.shape} do not fit weight_shape {(out, cols)} "
                            f"with group_size {group_size}")
-    return PackedTensor(unpack_int4(packed_words, cols), scale.astype(np.float32))
+    if cols % 32:
+        raise WeightsError(f"a packed weight with {cols} inputs cannot be kept in 4-bit blocks of 32 inputs; "
+                           "load it with quantize=None")
+    return PackedTensor(pack_nibbles(unpack_int4(packed_words, cols) + 8), scale.astype(np.float32))
 
 
 def dequantize_pack_quantized(tensors: Iterable[tuple[str, np.ndarray]], group_size: int, *,

@@ -5,8 +5,9 @@ differ from the common llama.cpp -> HF mapping, and which tensors llama.cpp stor
 it). The renamed tensors then go through the family's HF table like any safetensors checkpoint.
 
 With `native=True` the block-quantised types Q4_0, Q4_1 and Q8_0 are not dequantised: each tensor is repacked
-(`repack`: a reshuffle of its bytes, no arithmetic on the weights) into a `PackedTensor`, codes int8
-[out, in] and the blocks' float16 scales (and Q4_1's mins) widened to float32, one per 32 inputs.
+(`repack`: its bytes regrouped, no arithmetic on the weights) into a `PackedTensor`: codes as stored (Q8_0:
+int8 [out, in]; Q4_0 / Q4_1: their nibbles, uint8 [out, in / 2]) and the blocks' float16 scales (and Q4_1's
+mins) widened to float32, one per 32 inputs.
 Every other type (F32/F16 norms, K-quants such as Q4_K / Q6_K, ...) is dequantised as before: the stated
 fallback: `native_schemes` lists the tensors that stay packed, so the loader builds the rest as float.
 """
@@ -238,8 +239,10 @@ NATIVE_TYPES = {
 
 def repack(data: np.ndarray, type_name: str) -> PackedTensor:
     """A GGUF Q4_0 / Q4_1 / Q8_0 tensor's raw bytes uint8 [rows, blocks * block bytes] -> PackedTensor
-    [rows, 32 * blocks]. In a 4-bit block byte j holds weight j in its low nibble and weight j + 16 in its high
-    one (ggml's `dequantize_row_q4_0/1`); tests check the result against gguf's own dequantiser."""
+    [rows, 32 * blocks]: the scales (and Q4_1's offsets) widened to float32, the codes as stored (a 4-bit
+    block's 16 bytes are already jaxspec's nibble layout: byte j holds weight j low, weight j + 16 high, as
+    ggml's `dequantize_row_q4_0/1` reads them; Q4_0's nibbles are its codes + 8). Tests check the result
+    against gguf's own dequantiser."""
     size, _ = NATIVE_TYPES[type_name]
     rows = data.shape[0]
     blocks = np.ascontiguousarray(data).reshape(rows, -1, size)  # [out, in / 32, bytes]
@@ -247,12 +250,11 @@ def repack(data: np.ndarray, type_name: str) -> PackedTensor:
     if type_name == "Q8_0":
         return PackedTensor(blocks[..., 2:].copy().view(np.int8).reshape(rows, -1), d)
     start = 4 if type_name == "Q4_1" else 2
-    qs = blocks[..., start:]  # [out, in / 32, 16]
-    codes = np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.int8).reshape(rows, -1)
+    nibbles = blocks[..., start:].reshape(rows, -1).astype(np.uint8)  # [out, in / 2]
     if type_name == "Q4_0":
-        return PackedTensor(codes - np.int8(8), d)
+        return PackedTensor(nibbles, d)
     m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    return PackedTensor(codes, d, m)
+    return PackedTensor(nibbles, d, m)
 
 
 def native_schemes(path: Path) -> dict[str, Scheme]:

@@ -3,29 +3,29 @@ GGUF Q4_1, a per-group offset); the dequantisation is fused into the matmul by X
 
 A packed weight W [out, in] (stacked experts: [E, out, in]) is three arrays:
 
-    codes   int8 [..., out, in]      one code per weight; int4 codes ([-8, 7], or [0, 15] with an offset) too
-    scale   [..., out, in / g]       one scale per g consecutive inputs (g = in: one per output channel)
-    offset  [..., out, in / g]       optional:  W = scale * code + offset   (else W = scale * code)
+    codes   int8 [..., out, in]        8-bit codes, one per byte
+            uint8 [..., out, in / 2]   4-bit codes, two per byte in GGUF's block order: in each block of 32
+                                       inputs byte j holds input j (low nibble) and input j + 16 (high nibble);
+                                       stored unsigned [0, 15], a symmetric code c as c + 8
+    scale   [..., out, in / g]         one scale per g consecutive inputs (g = in: one per output channel)
+    offset  [..., out, in / g]         optional:  W = scale * nibble + offset  (Q4_1); without it
+                                       W = scale * code, code = nibble - 8 for 4-bit codes
 
-Why this layout (measured on XLA:CPU, jax 0.10.2; bench/quant.py and the README hold the numbers):
-  * `out` major, `in` minor. A batch-1 `x @ W.T` over it is rewritten by XLA into ONE loop fusion that reads
-    each code once, converts, scales and accumulates in registers (HLO: a single `copy_dot_fusion` taking
-    codes, scale, offset and x; no f32 [out, in] buffer). With `in` major ([in, out], jaxspec's float
-    kernel layout) XLA materialises the float weight first and is 40x slower.
-  * One byte per int4 code. Every formulation that unpacks two nibbles per byte inside that fusion
-    (interleaved or GGUF's half-split order, masks or arithmetic shifts, two half dots) defeats the
-    vectoriser (10-50x slower than one byte per code), and XLA:CPU has no int4 dot. So on this backend an int4
-    weight costs 1 + 8/g bytes (g = 32: 1.25 bytes vs 4 for float32); the 4 bits of information are kept,
-    not the 4-bit storage.
-  * Forwards of more than one token (prefill, tree verify) dequantise to a transient float weight and run
-    XLA's ordinary dot: they are compute-bound on CPU, and XLA offers no fused form for them.
+The dtype of `codes` tells the two storages apart. Int4 weights therefore need `in` to be a multiple of 32.
 
-  * Per-channel int8 (one scale per output) goes further: the activations are split into three int8 limbs
-    and the product is one int8 x int8 -> int32 dot, which XLA:CPU runs in its int8 GEMM (YNNPACK): a
-    SmolLM2 decode step is 2x faster than float32 (bench/quant.py). The fused group-scale loop above reads
-    3.3x fewer bytes than float32 but is no faster per step (XLA's loop emitter, not memory, is then the
-    bound). Group scales cannot take the int8 GEMM (the scale changes along the contraction), and a batched
-    per-group int8 dot is lowered by XLA:CPU to an int32 copy of the codes (40x slower).
+How the product runs (measured; bench/quant.py and the README hold the numbers):
+  * On a CPU, products of up to KERNEL_MAX_ROWS rows (decode steps, tree verifies) run in jaxspec's native
+    kernel (`packed_matmul_cpu.cc`, through the XLA FFI), which reads each packed byte once per call: the
+    decode step is bound by the bytes it reads, so 4-bit weights (0.75 bytes per weight with their float32
+    scale and offset) are what make it fast. Elsewhere (GPU, prefill, no C++ compiler), XLA's forms:
+  * batch-1 products of int8 codes with group scales: XLA folds `x @ dequantize(codes).T` into one loop
+    fusion over the codes (`copy_dot_fusion`, no float weight; `[out, in]` layout required, `in` major makes
+    XLA materialise the float weight, 40x slower). 4-bit codes are unpacked first (XLA:CPU cannot unpack
+    nibbles inside that fusion and stay vectorised).
+  * per-channel int8 (one scale per output): the activations are split into three int8 limbs and the
+    product is one int8 x int8 -> int32 dot, which XLA:CPU runs in its int8 GEMM (YNNPACK), reading each code
+    once; it stays on this path on CPU too.
+  * forwards of more rows dequantise to a transient float weight and run XLA's ordinary dot.
 
 `matmul` is the fused form, `dequantize` the reference (float weight first); tests hold them equal.
 Host-side helpers (`PackedTensor`, `quantize`) build packed weights from float arrays (round to nearest)
@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from jaxspec.models import cpu_kernel
 
 QUANTIZE = (None, "int8", "int4", "native")
 INT4_GROUP = 32  # on-the-fly int4: one scale per 32 inputs (GGUF Q4_0's block); int8: one per output channel
@@ -61,13 +63,15 @@ class PackedTensor:
     """A packed weight on the host in the device layout [..., out, in]: what a reader yields for a tensor
     that stays packed (GGUF Q4_0/Q4_1/Q8_0, compressed-tensors INT4) and what `quantize` returns."""
 
-    codes: np.ndarray  # int8 [..., out, in]
+    codes: np.ndarray  # int8 [..., out, in], or uint8 [..., out, in / 2] for 4-bit codes (see above)
     scale: np.ndarray  # float [..., out, in / g]
     offset: np.ndarray | None = None  # float [..., out, in / g]
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.codes.shape
+        """The weight's [..., out, in]."""
+        c = self.codes
+        return (*c.shape[:-1], c.shape[-1] * 2) if c.dtype == np.uint8 else c.shape
 
     def parts(self) -> dict[str, np.ndarray]:
         d = {"codes": self.codes, "scale": self.scale}
@@ -79,8 +83,11 @@ class PackedTensor:
 
     def dequantize(self) -> np.ndarray:
         """float32 [..., out, in] (numpy reference)."""
-        g = self.codes.shape[-1] // self.scale.shape[-1]
-        w = self.codes.astype(np.float32) * np.repeat(self.scale.astype(np.float32), g, axis=-1)
+        codes = self.codes
+        if codes.dtype == np.uint8:
+            codes = unpack_nibbles(codes).astype(np.int8) - np.int8(0 if self.offset is not None else 8)
+        g = codes.shape[-1] // self.scale.shape[-1]
+        w = codes.astype(np.float32) * np.repeat(self.scale.astype(np.float32), g, axis=-1)
         return w if self.offset is None else w + np.repeat(self.offset.astype(np.float32), g, axis=-1)
 
 
@@ -98,7 +105,23 @@ def quantize(w: np.ndarray, scheme: Scheme) -> PackedTensor:
     scale = np.abs(wg).max(-1) / qmax  # [..., out, in / g]
     safe = np.where(scale > 0, scale, 1.0)[..., None]
     codes = np.clip(np.rint(wg / safe), -qmax, qmax).astype(np.int8).reshape(w.shape)
-    return PackedTensor(codes, scale.astype(np.float32))
+    return PackedTensor(codes if scheme.bits == 8 else pack_nibbles(codes + 8), scale.astype(np.float32))
+
+
+def pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """4-bit codes [..., in] with values in [0, 15] -> uint8 [..., in / 2] in GGUF's block order."""
+    *lead, cols = codes.shape
+    if cols % 32:
+        raise ValueError(f"4-bit codes are packed in blocks of 32 inputs; a weight with {cols} inputs cannot be")
+    c = codes.astype(np.uint8).reshape(*lead, cols // 32, 2, 16)
+    return (c[..., 0, :] | (c[..., 1, :] << 4)).reshape(*lead, cols // 2)
+
+
+def unpack_nibbles(packed):
+    """uint8 [..., in / 2] (numpy or jax) -> the 4-bit codes [..., in] as uint8 in [0, 15]."""
+    xp = np if isinstance(packed, np.ndarray) else jnp
+    b = packed.reshape(*packed.shape[:-1], -1, 16)
+    return xp.concatenate([b & 15, b >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
 
 
 class Packed(nnx.Module):
@@ -120,7 +143,10 @@ class Packed(nnx.Module):
         if cols % g:
             raise ValueError(f"a packed weight with {cols} inputs cannot have groups of {g}")
         self.bits, self.group = scheme.bits, g
-        self.codes = param(jnp.zeros(shape, jnp.int8), axes)
+        if scheme.bits == 4 and cols % 32:
+            raise ValueError(f"a 4-bit packed weight needs a multiple of 32 inputs, not {cols}")
+        codes = (*lead, out, cols // 2) if scheme.bits == 4 else shape
+        self.codes = param(jnp.zeros(codes, jnp.uint8 if scheme.bits == 4 else jnp.int8), axes)
         self.scale = param(jnp.ones((*lead, out, cols // g), dtype), axes)
         self.offset = param(jnp.zeros((*lead, out, cols // g), dtype), axes) if scheme.offset else None
 
@@ -133,8 +159,10 @@ class Packed(nnx.Module):
 
 
 def dequantize(codes, scale, offset=None, dtype=None) -> jax.Array:
-    """codes [..., out, in], scale/offset [..., out, in / g] -> float weight [..., out, in] in the scale's dtype."""
+    """codes, scale/offset [..., out, in / g] -> float weight [..., out, in] in the scale's dtype."""
     dtype = dtype or scale.dtype
+    if codes.dtype == jnp.uint8:  # 4-bit: unpack; symmetric codes are stored + 8
+        codes = unpack_nibbles(codes).astype(jnp.int8) - jnp.int8(0 if offset is not None else 8)
     *lead, out, cols = codes.shape
     ng = scale.shape[-1]
     w = codes.reshape(*lead, out, ng, cols // ng).astype(dtype) * scale[..., None].astype(dtype)
@@ -144,18 +172,50 @@ def dequantize(codes, scale, offset=None, dtype=None) -> jax.Array:
 
 
 def matmul(x: jax.Array, p: Packed) -> jax.Array:
-    """x [..., in] @ W.T -> [..., out], written as a matmul with an explicit transpose of the dequantised
-    expression: for a single row XLA:CPU folds that transpose into one loop fusion over the codes
-    (`copy_dot_fusion`). The same product as an einsum / dot_general contracting `in` directly is NOT fused
-    (the float weight is materialised: 10x slower); tests/test_quant.py checks the compiled HLO."""
+    """x [..., in] @ W.T -> [..., out]. On a CPU with the native kernel built (`cpu_kernel`), products of up
+    to KERNEL_MAX_ROWS rows run there, reading the packed codes once; elsewhere (GPU, larger prefill, no
+    compiler) XLA's forms below."""
     codes, scale, offset = p.parts()
-    if scale.shape[-1] == 1 and offset is None:
+    rows = int(np.prod(x.shape[:-1]))
+    if _kernel_fits(x, codes, scale, offset) and rows <= KERNEL_MAX_ROWS:
+        x2 = x.reshape(rows, x.shape[-1])
+        y = jax.lax.platform_dependent(
+            x2, cpu=lambda x2: cpu_kernel.packed_matmul(x2, codes, scale, offset),
+            default=lambda x2: _matmul_xla(x2, codes, scale, offset))
+        return y.reshape(*x.shape[:-1], codes.shape[0])
+    return _matmul_xla(x, codes, scale, offset)
+
+
+KERNEL_MAX_ROWS = 32  # above this, dequantising once and XLA's GEMM beat re-reading the codes per 4 rows
+
+
+def _kernel_fits(x, codes, scale, offset) -> bool:
+    """The CPU kernel's cases: one [out, in] weight, float32 throughout, groups of a multiple of 32 inputs, not
+    per-channel int8."""
+    f32 = all(a.dtype == jnp.float32 for a in (x, scale) + (() if offset is None else (offset,)))
+    cols = codes.shape[-1] * (2 if codes.dtype == jnp.uint8 else 1)
+    return (codes.ndim == 2 and f32 and (cols // scale.shape[-1]) % 32 == 0
+            and not _per_channel_int8(codes, scale, offset) and cpu_kernel.available())
+
+
+def _per_channel_int8(codes, scale, offset) -> bool:
+    """int8 with one scale per output: the limb form below, XLA's int8 GEMM, beats the kernel's float loop."""
+    return codes.dtype == jnp.int8 and scale.shape[-1] == 1 and offset is None
+
+
+def _matmul_xla(x, codes, scale, offset):
+    """XLA's product, written as a matmul with an explicit transpose of the dequantised expression: for a
+    single row XLA:CPU folds that transpose into one loop fusion over the codes (`copy_dot_fusion`). The same
+    product as an einsum / dot_general contracting `in` directly is NOT fused (the float weight is
+    materialised: 10x slower); tests/test_quant.py checks the compiled HLO."""
+    if _per_channel_int8(codes, scale, offset):
         return _matmul_limbs(x, codes, scale)
     # Inside a decode loop the weights are loop-invariant, and XLA's while-loop invariant code motion hoists
     # their int8 -> float conversion out of the loop: every float weight materialised (the memory packing
     # saves) and a slower transposed loop left inside (measured: AR 0.3x float32). Clamping the codes to a
-    # bound XLA cannot see is constant (127 = max(127, anything int8)) keeps the conversion in the loop.
-    cap = jnp.maximum(jnp.int8(127), jax.lax.convert_element_type(jnp.sum(x[..., :1]), jnp.int8))
+    # bound XLA cannot see is constant (127 = max(127, any int8)) keeps the conversion in the loop.
+    top = jnp.iinfo(codes.dtype).max
+    cap = jnp.maximum(codes.dtype.type(top), jax.lax.convert_element_type(jnp.sum(x[..., :1]), codes.dtype))
     return x @ dequantize(jnp.minimum(codes, cap), scale, offset, dtype=x.dtype).T
 
 
