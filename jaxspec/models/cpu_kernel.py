@@ -82,6 +82,5 @@ def packed_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], codes.shape[0]), jnp.float32),
                             vmap_method="sequential")
     bits = 4 if codes.dtype == jnp.uint8 else 8
-    u8 = codes if bits == 4 else jax.lax.bitcast_convert_type(codes, jnp.uint8)
-    return call(x, u8, scale, scale if offset is None else offset, bits=np.int64(bits),
+    return call(x, codes, scale, scale if offset is None else offset, bits=np.int64(bits),
                 with_offset=offset is not None)

@@ -33,7 +33,7 @@ from flax import nnx
 
 from jaxspec.cache import Cache, KVEntry
 from jaxspec.config import ConfigError, RopeConfig, eos_ids
-from jaxspec.models.attention import attend, cache_mask, sliding
+from jaxspec.models.attention import attend, attend_and_write, cache_mask, sliding
 from jaxspec.models.layers import MLP, Linear, apply_rope, embed_rows, finish, lm_logits, param
 from jaxspec.models.moe import GATHER_MAX_PAIRS, experts_gather, experts_ragged
 from jaxspec.segment import Segment
@@ -255,13 +255,14 @@ class Attention(nnx.Module):
         (already holding this forward's K/V) and leaves it as it is. Returns (out [B, N, H], entry)."""
         B, N, _ = x.shape
         s = self.spec
-        if not s.kv_shared:
-            entry = entry.write(*self.keys_values(x, positions), length)
         if s.window is not None:
             mask = sliding(mask, positions, key_pos, s.window)
         q = self.q_norm(self.q_proj(x).reshape(B, N, s.num_heads, s.head_dim))
         q = apply_rope(q, positions, jnp.asarray(s.inv_freq, jnp.float32))
-        o = attend(q, entry.k, entry.v, mask, 1.0)
+        if s.kv_shared:
+            o = attend(q, entry.k, entry.v, mask, 1.0)
+        else:
+            o, entry = attend_and_write(q, entry, *self.keys_values(x, positions), length, mask, 1.0)
         return self.o_proj(o.reshape(B, N, s.num_heads * s.head_dim)), entry
 
 

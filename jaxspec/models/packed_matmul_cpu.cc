@@ -3,21 +3,24 @@
 //
 //   y[m, n] = sum_k x[m, k] * W[n, k],   W[n, k] = scale[n, k / g] * code(n, k) (+ offset[n, k / g])
 //
-// Why it exists: XLA:CPU cannot read packed weights at memory speed. Its fused loop over int8 codes with group
-// scales is compute-bound (no faster than the float32 dot that reads 3.2x more bytes), and any nibble
-// unpacking inside a fusion loses vectorisation. This kernel reads every code once per call, whatever the
-// number of rows m (a decode step, a draft tree), dequantises one weight row at a time into an L1-resident
-// float buffer and takes the m dot products against it, split over output rows on XLA's intra-op threads.
+// Why it exists: a decode step is bound by the weight bytes it reads, and XLA:CPU has no product that reads
+// packed weights at memory speed (its fused loop over int8 codes is compute-bound; nibble unpacking inside a
+// fusion loses vectorisation). This kernel reads every code once per call, whatever the number of rows m (a
+// decode step, a draft tree), split over output rows on XLA's intra-op threads.
 //
-// Codes, per weight row of K inputs:
+// Codes, per weight row of K inputs (K a multiple of 32, g a multiple of 32):
 //   bits = 8: K int8 codes, one per byte.
 //   bits = 4: K / 2 bytes; in each block of 32 inputs, byte j holds input j in its low nibble and input
 //             j + 16 in its high nibble (GGUF's Q4_0 / Q4_1 order). Nibbles are unsigned [0, 15]:
 //             W = scale * nibble + offset with an offset, else W = scale * (nibble - 8).
-// Float arithmetic only (no activation quantisation): the result equals dequantise-then-matmul up to
-// float32 summation order.
+//
+// Two paths, both within float32 rounding of dequantise-then-matmul (tests/test_quant.py):
+//   * integer (AVX-512 VNNI, g = 32, every GGUF / on-the-fly / compressed-tensors int4 layout): x is split
+//     into three int8 limbs per block and the block products are exact integer dot products (see Prepared);
+//   * float (any g, or no VNNI): codes converted to float and multiply-added.
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <thread>
@@ -25,6 +28,9 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define JAXSPEC_VNNI 1
 #endif
 
 #include "xla/ffi/api/ffi.h"
@@ -39,14 +45,156 @@ struct Problem {
   const float* scale;    // [N, G]
   const float* offset;   // [N, G] or null
   float* y;              // [M, N]
-  int64_t M, N, K, G, bits;
+  int64_t M, N, K, G;
   int64_t per;  // blocks of 32 inputs per scale group: K / G / 32
 };
 
-// The 32 weights of block b of row n, before scale and offset, as two float vectors (inputs 0-15, 16-31).
+// What one call derives from x before touching the weights (a few bytes per input, built by the caller).
+//
+// Integer path: each 32-input block of x is split into three int8 limbs, x = sx (a0 + a1 / 254 + a2 / 254^2),
+// sx = max|x| / 127, |a_t| <= 127: the error is at most sx / 2 / 254^2 = 6e-8 max|x|, below float32's own
+// rounding of x. A block's products are then integer dot products (`vpdpbusd`, 64 code bytes x 64 limb bytes
+// per instruction, exact in int32), three per 64 code bytes instead of a conversion and a multiply-add per
+// weight. Codes are read one 64-byte slice of a weight row at a time: 4-bit, 4 blocks (128 inputs); 8-bit,
+// 2 blocks (64 inputs). Int32 lane l of a slice covers its bytes 4l .. 4l + 3, so a block owns 4 (4-bit) or
+// 8 (8-bit) lanes, and per-block factors are laid out per lane.
+struct Prepared {
+  std::vector<float> xsum;   // float path, [M, G]: each input row's sum over each group
+  bool integer = false;
+  int64_t slices = 0;        // 64-byte slices per weight row
+  std::vector<int8_t> a;     // [M, slices, 3, 128 (4-bit: the 64 low-nibble inputs, then the 64 high) | 64]
+  std::vector<int32_t> init; // [M, slices, 3, 16] 8-bit: codes are read as unsigned c + 128, so each lane
+                             //   starts at -128 x the sum of its limb bytes
+  std::vector<float> sx;     // [M, slices, 3, 16] the lane's block scale of x times 254^-t
+  std::vector<float> xs;     // [M, slices, 16] the lane's share of its block's sum of x (times -8 when 4-bit
+                             //   codes are symmetric: W = scale (nibble - 8))
+};
+
+constexpr float kLimbWeight[3] = {1.0f, 1.0f / 254.0f, 1.0f / (254.0f * 254.0f)};
+
+template <int BITS>
+void prepare_integer(const Problem& p, Prepared& q) {
+  constexpr int64_t bpc = BITS == 4 ? 4 : 2, lanes = 16 / bpc, abytes = BITS == 4 ? 128 : 64;
+  const int64_t nb = p.K / 32, S = (nb + bpc - 1) / bpc;
+  q.integer = true;
+  q.slices = S;
+  q.a.assign(p.M * S * 3 * abytes, 0);
+  q.init.assign(p.M * S * 3 * 16, 0);
+  q.sx.assign(p.M * S * 3 * 16, 0.0f);
+  q.xs.assign(p.M * S * 16, 0.0f);
+  const float sum_factor = (p.offset ? 1.0f : BITS == 4 ? -8.0f : 0.0f) / lanes;
+  for (int64_t m = 0; m < p.M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = p.x + m * p.K + b * 32;
+      float mx = 0.0f, sum = 0.0f;
+      for (int k = 0; k < 32; ++k) mx = std::max(mx, std::fabs(xb[k])), sum += xb[k];
+      const float sxb = mx / 127.0f;
+      const int64_t c = b / bpc, j = b % bpc, base = m * S + c;
+      for (int k = 0; k < 32; ++k) {
+        float r = sxb > 0.0f ? xb[k] / sxb : 0.0f;
+        for (int t = 0; t < 3; ++t) {
+          const float at = std::min(127.0f, std::max(-127.0f, std::nearbyint(r)));
+          // 4-bit: input k of block j is byte 16 j + k % 16 of the low (k < 16) or high half
+          q.a[(base * 3 + t) * abytes + (BITS == 4 ? (k / 16) * 64 + 16 * j + k % 16 : 32 * j + k)] =
+              static_cast<int8_t>(at);
+          r = (r - at) * 254.0f;
+        }
+      }
+      for (int64_t l = j * lanes; l < (j + 1) * lanes; ++l) {
+        for (int t = 0; t < 3; ++t) q.sx[(base * 3 + t) * 16 + l] = sxb * kLimbWeight[t];
+        q.xs[base * 16 + l] = sum * sum_factor;
+      }
+    }
+  if (BITS == 8)
+    for (int64_t i = 0; i < p.M * S * 3; ++i)
+      for (int l = 0; l < 16; ++l) {
+        const int8_t* a = q.a.data() + i * abytes + 4 * l;
+        q.init[i * 16 + l] = -128 * (a[0] + a[1] + a[2] + a[3]);
+      }
+}
+
+void prepare_float(const Problem& p, Prepared& q) {
+  const int64_t g = p.K / p.G;
+  q.xsum.assign(p.M * p.G, 0.0f);
+  for (int64_t m = 0; m < p.M; ++m)
+    for (int64_t k = 0; k < p.K; ++k) q.xsum[m * p.G + k / g] += p.x[m * p.K + k];
+}
+
+#if defined(JAXSPEC_VNNI)
+// Integer path: output rows [n0, n0 + NR) x input rows [m0, m0 + R) -> out.
+template <int BITS, bool OFFSET, int NR, int R>
+void integer_tile(const Problem& p, const Prepared& q, int64_t n0, int64_t m0, float (&out)[NR][R]) {
+  constexpr int64_t bpc = BITS == 4 ? 4 : 2, abytes = BITS == 4 ? 128 : 64;
+  const int64_t nb = p.K / 32, row_bytes = p.K * BITS / 8, S = q.slices;
+  const __m512i block_of_lane =
+      _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), BITS == 4 ? 2 : 3);
+  const __m512i low4 = _mm512_set1_epi8(15), top = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[NR][R];
+#pragma GCC unroll 16
+  for (int r = 0; r < NR * R; ++r) acc[r / R][r % R] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < S; ++c) {
+    const int64_t valid = std::min(bpc, nb - c * bpc);  // blocks in this slice (the last one may be partial)
+    const __mmask64 cm = valid == bpc ? ~__mmask64{0} : (__mmask64{1} << (valid * 4 * BITS)) - 1;
+    const __mmask16 sm = static_cast<__mmask16>((1u << valid) - 1);
+    __m512i lo[NR], hi[NR];
+    __m512 sw[NR], ow[NR];
+#pragma GCC unroll 4
+    for (int r = 0; r < NR; ++r) {
+      const int64_t n = n0 + r;
+      const __m512i v = _mm512_maskz_loadu_epi8(cm, p.codes + n * row_bytes + c * 64);
+      if (BITS == 4) {
+        lo[r] = _mm512_and_si512(v, low4);
+        hi[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      } else {
+        lo[r] = _mm512_xor_si512(v, top);  // c + 128, unsigned
+      }
+      sw[r] = _mm512_permutexvar_ps(block_of_lane, _mm512_maskz_loadu_ps(sm, p.scale + n * p.G + c * bpc));
+      if (OFFSET)
+        ow[r] = _mm512_permutexvar_ps(block_of_lane, _mm512_maskz_loadu_ps(sm, p.offset + n * p.G + c * bpc));
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      const int64_t base = (m0 + i) * S + c;
+      const int8_t* a = q.a.data() + base * 3 * abytes;
+      const float* sx = q.sx.data() + base * 3 * 16;
+      const __m512 xs = _mm512_loadu_ps(q.xs.data() + base * 16);
+      __m512i at[3][BITS == 4 ? 2 : 1], d0[3];
+#pragma GCC unroll 3
+      for (int t = 0; t < 3; ++t) {
+        at[t][0] = _mm512_loadu_si512(a + t * abytes);
+        if (BITS == 4) at[t][BITS == 4 ? 1 : 0] = _mm512_loadu_si512(a + t * abytes + 64);
+        d0[t] = BITS == 8 ? _mm512_loadu_si512(q.init.data() + (base * 3 + t) * 16) : _mm512_setzero_si512();
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) {
+        __m512 f = _mm512_setzero_ps();
+#pragma GCC unroll 3
+        for (int t = 0; t < 3; ++t) {
+          __m512i d = _mm512_dpbusd_epi32(d0[t], lo[r], at[t][0]);
+          if (BITS == 4) d = _mm512_dpbusd_epi32(d, hi[r], at[t][BITS == 4 ? 1 : 0]);
+          f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_loadu_ps(sx + t * 16), f);
+        }
+        if (OFFSET)
+          acc[r][i] = _mm512_fmadd_ps(ow[r], xs, _mm512_fmadd_ps(sw[r], f, acc[r][i]));
+        else if (BITS == 4)
+          acc[r][i] = _mm512_fmadd_ps(sw[r], _mm512_add_ps(f, xs), acc[r][i]);
+        else
+          acc[r][i] = _mm512_fmadd_ps(sw[r], f, acc[r][i]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < NR * R; ++r) out[r / R][r % R] = _mm512_reduce_add_ps(acc[r / R][r % R]);
+}
+#endif
+
+// Float path, before the offset term: the 32 codes of block b of row n as two float vectors (inputs 0-15,
+// 16-31), scaled per group and multiply-added. The R input rows share each conversion of the codes, the NR
+// output rows each load of x.
 #if defined(__AVX512F__)
+template <int BITS>
 inline void block_codes(const Problem& p, int64_t n, int64_t b, __m512& lo, __m512& hi) {
-  if (p.bits == 8) {
+  if (BITS == 8) {
     const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.codes + n * p.K + b * 32));
     lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(c)));
     hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(c, 1)));
@@ -57,14 +205,9 @@ inline void block_codes(const Problem& p, int64_t n, int64_t b, __m512& lo, __m5
     hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(c, 4), mask)));
   }
 }
-#endif
 
-// One tile of the product: output rows [n0, n0 + NR) x input rows [m0, m0 + R), before the offset term.
-// The R input rows share each conversion of the codes, the NR output rows share each load of x, and the
-// NR * R accumulators are independent FMA chains.
-#if defined(__AVX512F__)
-template <int NR, int R>
-void dot_tile(const Problem& p, int64_t n0, int64_t m0, float (&out)[NR][R]) {
+template <int BITS, int NR, int R>
+void float_tile(const Problem& p, int64_t n0, int64_t m0, float (&out)[NR][R]) {
   __m512 acc[NR][R];
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < R; ++i) acc[r][i] = _mm512_setzero_ps();
@@ -79,7 +222,7 @@ void dot_tile(const Problem& p, int64_t n0, int64_t m0, float (&out)[NR][R]) {
       }
       for (int r = 0; r < NR; ++r) {
         __m512 lo, hi;
-        block_codes(p, n0 + r, b, lo, hi);
+        block_codes<BITS>(p, n0 + r, b, lo, hi);
         for (int i = 0; i < R; ++i)
           acc[r][i] = _mm512_fmadd_ps(sj[r], _mm512_fmadd_ps(xhi[i], hi, _mm512_mul_ps(xlo[i], lo)), acc[r][i]);
       }
@@ -89,9 +232,8 @@ void dot_tile(const Problem& p, int64_t n0, int64_t m0, float (&out)[NR][R]) {
     for (int i = 0; i < R; ++i) out[r][i] = _mm512_reduce_add_ps(acc[r][i]);
 }
 #else
-// Portable fallback (no AVX-512): the same sums, one weight at a time.
-template <int NR, int R>
-void dot_tile(const Problem& p, int64_t n0, int64_t m0, float (&out)[NR][R]) {
+template <int BITS, int NR, int R>  // portable (no AVX-512): the same sums, one weight at a time
+void float_tile(const Problem& p, int64_t n0, int64_t m0, float (&out)[NR][R]) {
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < R; ++i) {
       const int64_t n = n0 + r;
@@ -100,7 +242,7 @@ void dot_tile(const Problem& p, int64_t n0, int64_t m0, float (&out)[NR][R]) {
       for (int64_t b = 0; b < p.K / 32; ++b) {
         float t = 0.0f;
         for (int64_t k = 0; k < 32; ++k) {
-          const float c = p.bits == 8
+          const float c = BITS == 8
                               ? static_cast<float>(reinterpret_cast<const int8_t*>(p.codes)[n * p.K + b * 32 + k])
                               : static_cast<float>((p.codes[n * (p.K / 2) + b * 16 + k % 16] >> (k / 16 * 4)) & 15);
           t += xm[b * 32 + k] * c;
@@ -112,96 +254,103 @@ void dot_tile(const Problem& p, int64_t n0, int64_t m0, float (&out)[NR][R]) {
 }
 #endif
 
-// Tile plus the offset term (sum_k x[k] * offset[g] = offset[g] * xsum[g], xsum [M, G] the input rows' group
-// sums), stored into y.
-template <int NR, int R>
-void tile(const Problem& p, const float* xsum, int64_t n0, int64_t m0) {
+// One tile stored into y: the integer path where prepared, else the float path plus the offset term
+// (sum_k x[k] * offset[g] = offset[g] * xsum[g]; symmetric 4-bit: offset = -8 scale).
+template <int BITS, bool OFFSET, int NR, int R>
+void tile(const Problem& p, const Prepared& q, int64_t n0, int64_t m0) {
   float out[NR][R];
-  dot_tile<NR, R>(p, n0, m0, out);
+#if defined(JAXSPEC_VNNI)
+  if (q.integer) {
+    integer_tile<BITS, OFFSET, NR, R>(p, q, n0, m0, out);
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < R; ++i) p.y[(m0 + i) * p.N + n0 + r] = out[r][i];
+    return;
+  }
+#endif
+  float_tile<BITS, NR, R>(p, n0, m0, out);
   for (int r = 0; r < NR; ++r)
     for (int i = 0; i < R; ++i) {
       float off = 0.0f;
-      const float* xs = xsum + (m0 + i) * p.G;
-      if (p.offset) {
-        const float* o = p.offset + (n0 + r) * p.G;
+      const float* xs = q.xsum.data() + (m0 + i) * p.G;
+      const float* o = OFFSET ? p.offset + (n0 + r) * p.G : p.scale + (n0 + r) * p.G;
+      const float f = OFFSET ? 1.0f : BITS == 4 ? -8.0f : 0.0f;
 #pragma omp simd reduction(+ : off)
-        for (int64_t j = 0; j < p.G; ++j) off += o[j] * xs[j];
-      } else if (p.bits == 4) {  // symmetric 4-bit: code = nibble - 8
-        const float* s = p.scale + (n0 + r) * p.G;
-#pragma omp simd reduction(+ : off)
-        for (int64_t j = 0; j < p.G; ++j) off -= 8.0f * s[j] * xs[j];
-      }
-      p.y[(m0 + i) * p.N + n0 + r] = out[r][i] + off;
+      for (int64_t j = 0; j < p.G; ++j) off += o[j] * xs[j];
+      p.y[(m0 + i) * p.N + n0 + r] = out[r][i] + f * off;
     }
 }
 
-// Output rows [n0, n1) for all M input rows: tiles of 4 output rows for a single input row (decode), else
-// 2 output rows x up to 4 input rows.
-void run_rows(const Problem& p, const float* xsum, int64_t n0, int64_t n1) {
+// Output rows [n0, n1) for all M input rows: tiles of 4 output rows for one input row (decode), else 2 output
+// rows x up to 4 input rows.
+template <int BITS, bool OFFSET>
+void run_rows(const Problem& p, const Prepared& q, int64_t n0, int64_t n1) {
   if (p.M == 1) {
     int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) tile<4, 1>(p, xsum, n, 0);
-    for (; n < n1; ++n) tile<1, 1>(p, xsum, n, 0);
+    for (; n + 4 <= n1; n += 4) tile<BITS, OFFSET, 4, 1>(p, q, n, 0);
+    for (; n < n1; ++n) tile<BITS, OFFSET, 1, 1>(p, q, n, 0);
     return;
   }
   for (int64_t m = 0; m < p.M; m += 4) {
     const int64_t r = std::min<int64_t>(4, p.M - m);
     int64_t n = n0;
     for (; n + 2 <= n1; n += 2) switch (r) {
-        case 1: tile<2, 1>(p, xsum, n, m); break;
-        case 2: tile<2, 2>(p, xsum, n, m); break;
-        case 3: tile<2, 3>(p, xsum, n, m); break;
-        default: tile<2, 4>(p, xsum, n, m);
+        case 1: tile<BITS, OFFSET, 2, 1>(p, q, n, m); break;
+        case 2: tile<BITS, OFFSET, 2, 2>(p, q, n, m); break;
+        case 3: tile<BITS, OFFSET, 2, 3>(p, q, n, m); break;
+        default: tile<BITS, OFFSET, 2, 4>(p, q, n, m);
       }
     for (; n < n1; ++n) switch (r) {
-        case 1: tile<1, 1>(p, xsum, n, m); break;
-        case 2: tile<1, 2>(p, xsum, n, m); break;
-        case 3: tile<1, 3>(p, xsum, n, m); break;
-        default: tile<1, 4>(p, xsum, n, m);
+        case 1: tile<BITS, OFFSET, 1, 1>(p, q, n, m); break;
+        case 2: tile<BITS, OFFSET, 1, 2>(p, q, n, m); break;
+        case 3: tile<BITS, OFFSET, 1, 3>(p, q, n, m); break;
+        default: tile<BITS, OFFSET, 1, 4>(p, q, n, m);
       }
   }
 }
+
+using RowsFn = void (*)(const Problem&, const Prepared&, int64_t, int64_t);
 
 // Work shared between the calling thread and pool tasks: chunks of output rows handed out by an atomic
 // counter. The caller takes chunks too and waits only for chunks already being worked on, so it never waits
 // on a task that has not started (no deadlock when the pool is busy); late tasks find nothing left and exit.
 struct Shared {
   Problem p;
-  std::vector<float> xsum;  // [M, G]
+  Prepared q;
+  RowsFn rows;
   int64_t chunk, n_chunks;
   std::atomic<int64_t> next{0}, done{0};
   void work() {
     for (int64_t i; (i = next.fetch_add(1)) < n_chunks;) {
-      run_rows(p, xsum.data(), i * chunk, std::min(p.N, (i + 1) * chunk));
+      rows(p, q, i * chunk, std::min(p.N, (i + 1) * chunk));
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
-ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> codes,
+ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
                         ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset, ffi::ResultBuffer<ffi::F32> y,
                         int64_t bits, bool with_offset) {
   auto xd = x.dimensions(), cd = codes.dimensions(), sd = scale.dimensions();
-  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2 || (bits != 8 && bits != 4))
-    return ffi::Error::InvalidArgument("packed_matmul: expects x [M, K], codes [N, K*bits/8], scale [N, G]");
-  Problem p{x.typed_data(), codes.typed_data(), scale.typed_data(),
-            with_offset ? offset.typed_data() : nullptr, y->typed_data(),
-            xd[0], cd[0], xd[1], sd[1], bits, 0};
+  const auto want = bits == 4 ? ffi::DataType::U8 : ffi::DataType::S8;
+  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2 || (bits != 8 && bits != 4) || codes.element_type() != want)
+    return ffi::Error::InvalidArgument("packed_matmul: expects x [M, K], codes [N, K] int8 or [N, K / 2] uint8, scale [N, G]");
+  Problem p{x.typed_data(), static_cast<const uint8_t*>(codes.untyped_data()), scale.typed_data(),
+            with_offset ? offset.typed_data() : nullptr, y->typed_data(), xd[0], cd[0], xd[1], sd[1], 0};
   if (cd[1] * 8 != p.K * bits || sd[0] != p.N || p.G <= 0 || p.K % p.G || (p.K / p.G) % 32)
     return ffi::Error::InvalidArgument("packed_matmul: codes / scale shapes do not match x (groups of 32k inputs)");
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
   p.per = p.K / p.G / 32;
   auto sh = std::make_shared<Shared>();
   sh->p = p;
-  if (p.offset || p.bits == 4) {
-    const int64_t g = p.K / p.G;
-    sh->xsum.assign(p.M * p.G, 0.0f);
-    for (int64_t m = 0; m < p.M; ++m)
-      for (int64_t k = 0; k < p.K; ++k) sh->xsum[m * p.G + k / g] += p.x[m * p.K + k];
-  }
+  sh->rows = bits == 4 ? (with_offset ? run_rows<4, true> : run_rows<4, false>)
+                       : (with_offset ? run_rows<8, true> : run_rows<8, false>);
+#if defined(JAXSPEC_VNNI)
+  if (p.per == 1) bits == 4 ? prepare_integer<4>(p, sh->q) : prepare_integer<8>(p, sh->q);
+#endif
+  if (!sh->q.integer) prepare_float(p, sh->q);
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   if (threads == 1 || p.N * p.K * (p.M + 1) < (int64_t{1} << 18)) {  // too small to be worth waking a thread
-    run_rows(p, sh->xsum.data(), 0, p.N);
+    sh->rows(p, sh->q, 0, p.N);
     return ffi::Error::Success();
   }
   sh->chunk = std::max<int64_t>(8, (p.N + 4 * threads - 1) / (4 * threads));
@@ -218,7 +367,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxspec_packed_matmul, PackedMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()

@@ -21,7 +21,7 @@ from flax import nnx
 
 from jaxspec.cache import Cache, KVEntry
 from jaxspec.config import ConfigError, RopeConfig, _rope, eos_ids
-from jaxspec.models.attention import Attention, AttentionSpec, attend, cache_mask
+from jaxspec.models.attention import Attention, AttentionSpec, attend_and_write, cache_mask
 from jaxspec.models.gated_deltanet import MODES, GatedDeltaNet, GDNEntry, GDNSpec
 from jaxspec.models.layers import (Linear, MLP, RMSNorm, apply_rope, embed_rows, lm_logits, param,
                                    finish, rope_inv_freq)
@@ -151,8 +151,8 @@ class GatedAttention(Attention):
         q, gate = jnp.split(self.q_proj(x).reshape(B, N, nH, 2 * D), 2, axis=-1)
         q = self.rope(self.q_norm(q), positions)
         k = self.rope(self.k_norm(self.k_proj(x).reshape(B, N, nKV, D)), positions)
-        entry = entry.write(k, self.v_proj(x).reshape(B, N, nKV, D), length)
-        o = attend(q, entry.k, entry.v, mask, self.spec.scale).reshape(B, N, nH * D)
+        o, entry = attend_and_write(q, entry, k, self.v_proj(x).reshape(B, N, nKV, D), length, mask, self.spec.scale)
+        o = o.reshape(B, N, nH * D)
         return self.o_proj(o * jax.nn.sigmoid(gate.reshape(B, N, nH * D))), entry
 
 
