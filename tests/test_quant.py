@@ -72,17 +72,19 @@ def test_cpu_kernel_builds_where_a_compiler_is():
     assert cpu_kernel.available()
 
 
-@pytest.mark.parametrize("name,group", [("int4-g32-offset", 32), ("int4-g32", 32), ("int8-g32", 32),
-                                        ("int4-g32-offset", 64), ("int8-g32", 96)])
+@pytest.mark.parametrize("name,group,cols", [
+    ("int4-g32-offset", 32, 192), ("int4-g32", 32, 192), ("int8-g32", 32, 160),  # integer path, a partial slice
+    ("int4-g32-offset", 128, 384), ("int8-channel", None, 192),  # integer path, a scale per whole slices
+    ("int4-g32-offset", 64, 192), ("int8-g32", 96, 192)])  # float path
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 9])
-def test_cpu_kernel_tiles_and_threads(name, group, rows):
-    """Every tile shape (1 / 2 / 3 / 4 input rows, an odd number of output rows), groups of several 32-input
-    blocks, and a size that splits over XLA's threads, against the float product."""
+def test_cpu_kernel_tiles_and_threads(name, group, cols, rows):
+    """Both paths, every tile shape (1 / 2 / 3 / 4 input rows, an odd number of output rows), a last 64-byte
+    slice of codes only partly used, and a size that splits over XLA's threads, against the float product."""
     if not cpu_kernel.available():
         pytest.skip("no C++ compiler")
     scheme = quant.Scheme(SCHEMES[name].bits, group, SCHEMES[name].offset)
-    p, _, w = packed_weight(scheme, out=517, cols=192, seed=rows)
-    x = np.random.default_rng(2).normal(size=(rows, 192)).astype(np.float32)
+    p, _, w = packed_weight(scheme, out=517, cols=cols, seed=rows)
+    x = np.random.default_rng(2).normal(size=(rows, cols)).astype(np.float32)
     got = jax.jit(lambda x: cpu_kernel.packed_matmul(x, *p.parts()))(jnp.asarray(x))
     assert_float_product(got, x, w)
     hlo = jax.jit(quant.matmul).lower(jnp.asarray(x), p).as_text()

@@ -15,9 +15,10 @@
 //             W = scale * nibble + offset with an offset, else W = scale * (nibble - 8).
 //
 // Two paths, both within float32 rounding of dequantise-then-matmul (tests/test_quant.py):
-//   * integer (AVX-512 VNNI, g = 32, every GGUF / on-the-fly / compressed-tensors int4 layout): x is split
-//     into three int8 limbs per block and the block products are exact integer dot products (see Prepared);
-//   * float (any g, or no VNNI): codes converted to float and multiply-added.
+//   * integer (AVX-512 VNNI; g = 32 as in every GGUF / on-the-fly int4 / compressed-tensors layout, or g a
+//     multiple of the 64-byte slice, e.g. one scale per output channel): x is split into three int8 limbs per
+//     block and the block products are exact integer dot products (see Prepared);
+//   * float (other g, or no VNNI): codes converted to float and multiply-added.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -70,6 +71,7 @@ struct Prepared {
                              //   codes are symmetric: W = scale (nibble - 8))
 };
 
+#if defined(JAXSPEC_VNNI)
 constexpr float kLimbWeight[3] = {1.0f, 1.0f / 254.0f, 1.0f / (254.0f * 254.0f)};
 
 template <int BITS>
@@ -83,35 +85,40 @@ void prepare_integer(const Problem& p, Prepared& q) {
   q.sx.assign(p.M * S * 3 * 16, 0.0f);
   q.xs.assign(p.M * S * 16, 0.0f);
   const float sum_factor = (p.offset ? 1.0f : BITS == 4 ? -8.0f : 0.0f) / lanes;
+  const __m512 lim = _mm512_set1_ps(127.0f), base254 = _mm512_set1_ps(254.0f);
   for (int64_t m = 0; m < p.M; ++m)
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = p.x + m * p.K + b * 32;
-      float mx = 0.0f, sum = 0.0f;
-      for (int k = 0; k < 32; ++k) mx = std::max(mx, std::fabs(xb[k])), sum += xb[k];
+      __m512 r[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)};  // inputs 0-15, 16-31
+      const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(r[0]), _mm512_abs_ps(r[1])));
+      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(r[0], r[1]));
       const float sxb = mx / 127.0f;
       const int64_t c = b / bpc, j = b % bpc, base = m * S + c;
-      for (int k = 0; k < 32; ++k) {
-        float r = sxb > 0.0f ? xb[k] / sxb : 0.0f;
-        for (int t = 0; t < 3; ++t) {
-          const float at = std::min(127.0f, std::max(-127.0f, std::nearbyint(r)));
-          // 4-bit: input k of block j is byte 16 j + k % 16 of the low (k < 16) or high half
-          q.a[(base * 3 + t) * abytes + (BITS == 4 ? (k / 16) * 64 + 16 * j + k % 16 : 32 * j + k)] =
-              static_cast<int8_t>(at);
-          r = (r - at) * 254.0f;
+      for (int h = 0; h < 2; ++h)
+        r[h] = sxb > 0.0f ? _mm512_div_ps(r[h], _mm512_set1_ps(sxb)) : _mm512_setzero_ps();
+      for (int t = 0; t < 3; ++t)
+        for (int h = 0; h < 2; ++h) {
+          const __m512 a = _mm512_min_ps(lim, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), lim),
+              _mm512_roundscale_ps(r[h], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+          // 4-bit: inputs 0-15 of block j go to bytes 16 j .. of the low half, 16-31 to the high half
+          int8_t* dst = q.a.data() + (base * 3 + t) * abytes + (BITS == 4 ? h * 64 + 16 * j : 32 * j + 16 * h);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(a)));
+          r[h] = _mm512_mul_ps(_mm512_sub_ps(r[h], a), base254);
         }
-      }
       for (int64_t l = j * lanes; l < (j + 1) * lanes; ++l) {
         for (int t = 0; t < 3; ++t) q.sx[(base * 3 + t) * 16 + l] = sxb * kLimbWeight[t];
         q.xs[base * 16 + l] = sum * sum_factor;
       }
     }
-  if (BITS == 8)
-    for (int64_t i = 0; i < p.M * S * 3; ++i)
-      for (int l = 0; l < 16; ++l) {
-        const int8_t* a = q.a.data() + i * abytes + 4 * l;
-        q.init[i * 16 + l] = -128 * (a[0] + a[1] + a[2] + a[3]);
-      }
+  if (BITS == 8) {  // each lane starts at -128 x the sum of its 4 limb bytes
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t i = 0; i < p.M * S * 3; ++i) {
+      const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(q.a.data() + i * abytes));
+      _mm512_storeu_si512(q.init.data() + i * 16, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sums, 7)));
+    }
+  }
 }
+#endif
 
 void prepare_float(const Problem& p, Prepared& q) {
   const int64_t g = p.K / p.G;
@@ -121,7 +128,8 @@ void prepare_float(const Problem& p, Prepared& q) {
 }
 
 #if defined(JAXSPEC_VNNI)
-// Integer path: output rows [n0, n0 + NR) x input rows [m0, m0 + R) -> out.
+// Integer path: output rows [n0, n0 + NR) x input rows [m0, m0 + R) -> out. Scales: one per block (per = 1)
+// or groups of whole slices.
 template <int BITS, bool OFFSET, int NR, int R>
 void integer_tile(const Problem& p, const Prepared& q, int64_t n0, int64_t m0, float (&out)[NR][R]) {
   constexpr int64_t bpc = BITS == 4 ? 4 : 2, abytes = BITS == 4 ? 128 : 64;
@@ -141,6 +149,12 @@ void integer_tile(const Problem& p, const Prepared& q, int64_t n0, int64_t m0, f
 #pragma GCC unroll 4
     for (int r = 0; r < NR; ++r) {
       const int64_t n = n0 + r;
+      // The rows two tiles ahead (past the end only in the last tiles: a prefetch never faults).
+      _mm_prefetch(reinterpret_cast<const char*>(p.codes + (n + 2 * NR) * row_bytes + c * 64), _MM_HINT_T0);
+      if ((c & 3) == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(p.scale + (n + 2 * NR) * p.G + c * bpc), _MM_HINT_T0);
+        if (OFFSET) _mm_prefetch(reinterpret_cast<const char*>(p.offset + (n + 2 * NR) * p.G + c * bpc), _MM_HINT_T0);
+      }
       const __m512i v = _mm512_maskz_loadu_epi8(cm, p.codes + n * row_bytes + c * 64);
       if (BITS == 4) {
         lo[r] = _mm512_and_si512(v, low4);
@@ -148,9 +162,14 @@ void integer_tile(const Problem& p, const Prepared& q, int64_t n0, int64_t m0, f
       } else {
         lo[r] = _mm512_xor_si512(v, top);  // c + 128, unsigned
       }
-      sw[r] = _mm512_permutexvar_ps(block_of_lane, _mm512_maskz_loadu_ps(sm, p.scale + n * p.G + c * bpc));
-      if (OFFSET)
-        ow[r] = _mm512_permutexvar_ps(block_of_lane, _mm512_maskz_loadu_ps(sm, p.offset + n * p.G + c * bpc));
+      if (p.per == 1) {  // a scale per block: lane l takes its block's
+        sw[r] = _mm512_permutexvar_ps(block_of_lane, _mm512_maskz_loadu_ps(sm, p.scale + n * p.G + c * bpc));
+        if (OFFSET)
+          ow[r] = _mm512_permutexvar_ps(block_of_lane, _mm512_maskz_loadu_ps(sm, p.offset + n * p.G + c * bpc));
+      } else {  // the slice lies in one group
+        sw[r] = _mm512_set1_ps(p.scale[n * p.G + c * bpc / p.per]);
+        if (OFFSET) ow[r] = _mm512_set1_ps(p.offset[n * p.G + c * bpc / p.per]);
+      }
     }
 #pragma GCC unroll 4
     for (int i = 0; i < R; ++i) {
@@ -345,7 +364,8 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
   sh->rows = bits == 4 ? (with_offset ? run_rows<4, true> : run_rows<4, false>)
                        : (with_offset ? run_rows<8, true> : run_rows<8, false>);
 #if defined(JAXSPEC_VNNI)
-  if (p.per == 1) bits == 4 ? prepare_integer<4>(p, sh->q) : prepare_integer<8>(p, sh->q);
+  if (p.per == 1 || p.per % (bits == 4 ? 4 : 2) == 0)  // one scale per block, or per whole slice
+    bits == 4 ? prepare_integer<4>(p, sh->q) : prepare_integer<8>(p, sh->q);
 #endif
   if (!sh->q.integer) prepare_float(p, sh->q);
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());

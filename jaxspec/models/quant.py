@@ -194,8 +194,7 @@ def _kernel_fits(x, codes, scale, offset) -> bool:
     per-channel int8."""
     f32 = all(a.dtype == jnp.float32 for a in (x, scale) + (() if offset is None else (offset,)))
     cols = codes.shape[-1] * (2 if codes.dtype == jnp.uint8 else 1)
-    return (codes.ndim == 2 and f32 and (cols // scale.shape[-1]) % 32 == 0
-            and not _per_channel_int8(codes, scale, offset) and cpu_kernel.available())
+    return codes.ndim == 2 and f32 and (cols // scale.shape[-1]) % 32 == 0 and cpu_kernel.available()
 
 
 def _per_channel_int8(codes, scale, offset) -> bool:
