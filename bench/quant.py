@@ -30,7 +30,7 @@ from jaxspec.generate import BUNDLED_DRAFTER, bundled_model  # noqa: E402
 from jaxspec.models.quant import packed_bytes  # noqa: E402
 
 NEW_TOKENS, RUNS, N_PROMPTS = 64, 3, 2
-KINDS = (None, "int8", "native")
+KINDS = (None, "int8", "int4", "native")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

@@ -113,6 +113,8 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=4, help="how many held-out prompts (never used in training)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers generate reference (GGUF targets)")
+    ap.add_argument("--quantize", default=None, choices=["int8", "int4", "native"],
+                    help="load the target packed (jaxspec.load(quantize=...)); every method then runs on it")
     ap.add_argument("--save-acceptance", action="store_true",
                     help="write the measured acceptance length per budget into the drafter dir (acceptance.json, "
                          "what budget='auto' reads) before the auto row runs")
@@ -121,7 +123,8 @@ def main(argv=None):
         ap.error("--save-acceptance needs --drafter DIR (a trained drafter directory)")
     budgets = [int(b) for b in args.budgets.split(",")]
 
-    model = tiny_target() if args.model == "tiny" else jaxspec.load(args.model or bundled_smollm2())
+    model = (tiny_target() if args.model == "tiny"
+             else jaxspec.load(args.model or bundled_smollm2(), quantize=args.quantize))
     if model.tokenizer is None:
         rng = np.random.RandomState(1)
         inputs = [dict(input_ids=rng.randint(0, model.config.vocab_size, 32).tolist()) for _ in range(args.prompts)]
@@ -214,7 +217,7 @@ def main(argv=None):
     out = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), args=vars(args),
                transformers_tokens_per_second=hf_tps, results=summary)
     tag = "tiny" if args.model == "tiny" else "smollm2" if args.model is None else Path(args.model).stem
-    name = f"spec_{tag}_{Path(args.drafter).name}"
+    name = f"spec_{tag}{'_' + args.quantize if args.quantize else ''}_{Path(args.drafter).name}"
     (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=2))
     plotted = plot(summary, budgets, hf_tps, RESULTS / f"{name}.png", f"{tag}, drafter {Path(args.drafter).name}")
     print(f"wrote {RESULTS / name}.json" + (" and .png" if plotted else ""))

@@ -79,6 +79,8 @@ def _unavailable(why: str) -> bool:
 def packed_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Array | None) -> jax.Array:
     """x float32 [M, K] @ W.T -> [M, N] on the CPU kernel, W packed as in quant.py: codes int8 [N, K] or
     uint8 [N, K / 2] (4-bit, GGUF block order), scale / offset float32 [N, G], K / G a multiple of 32."""
+    if not available():
+        raise RuntimeError("the packed-weight CPU kernel is unavailable (see the notice above); use quant.matmul")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], codes.shape[0]), jnp.float32),
                             vmap_method="sequential")
     bits = 4 if codes.dtype == jnp.uint8 else 8
