@@ -95,7 +95,8 @@ def lm_logits(h: jax.Array, embed_tokens, lm_head: "Linear | None", vocab: jax.A
     if isinstance(W, quant.Packed):
         if vocab is None:
             return quant.matmul(h, W).astype(jnp.float32)
-        return jnp.einsum("...h,vh->...v", h, quant.rows(W, vocab).astype(h.dtype), preferred_element_type=jnp.float32)
+        rows = [None if a is None else jnp.take(a, vocab, axis=0) for a in W.parts()]  # still packed
+        return quant.matmul_parts(h, *rows).astype(jnp.float32)
     if lm_head is None:
         W = W[...] if vocab is None else jnp.take(W[...], vocab, axis=0)
         return jnp.einsum("...h,vh->...v", h, W, preferred_element_type=jnp.float32)

@@ -177,7 +177,11 @@ def matmul(x: jax.Array, p: Packed) -> jax.Array:
     """x [..., in] @ W.T -> [..., out]. On a CPU with the native kernel built (`cpu_kernel`), products of up
     to KERNEL_MAX_ROWS rows run there, reading the packed codes once; elsewhere (GPU, larger prefill, no
     compiler) XLA's forms below."""
-    codes, scale, offset = p.parts()
+    return matmul_parts(x, *p.parts())
+
+
+def matmul_parts(x: jax.Array, codes, scale, offset=None) -> jax.Array:
+    """`matmul` on a packed weight's parts (e.g. a subset of a packed table's rows)."""
     rows = int(np.prod(x.shape[:-1]))
     if _kernel_fits(x, codes, scale, offset) and rows <= KERNEL_MAX_ROWS:
         x2 = x.reshape(rows, x.shape[-1])
