@@ -1,7 +1,10 @@
 """Packed (int8 / int4) weights: fused matmul vs dequantise-first, GGUF block repacking vs gguf's dequantiser,
 round-to-nearest error bound, native GGUF loading, and lossless speculative decoding on packed targets."""
+import os
 import re
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +73,16 @@ def test_cpu_kernel_builds_where_a_compiler_is():
     if shutil.which("c++") is None:
         pytest.skip("no C++ compiler")
     assert cpu_kernel.available()
+
+
+def test_cpu_kernel_without_a_compiler_says_so_once(tmp_path):
+    """No compiler: one notice naming the problem and the fix, and the XLA forms run (available() is False)."""
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-c++"), "JAXSPEC_CACHE_DIR": str(tmp_path)}
+    code = "from jaxspec.models import cpu_kernel as k; print(k.available(), k.available())"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "False False", r.stderr
+    notice = [ln for ln in r.stderr.splitlines() if ln.startswith("jaxspec:")]
+    assert len(notice) == 1 and "unavailable" in notice[0] and "Install a C++ compiler" in notice[0], r.stderr
 
 
 @pytest.mark.parametrize("name,group,cols", [

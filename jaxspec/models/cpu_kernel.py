@@ -3,9 +3,9 @@ system C++ compiler on first use, cached, registered with JAX.
 
 Why a native kernel: XLA:CPU has no fused form that reads packed weights at memory speed (see quant.py), and
 a batch-1 decode step is bound by the weight bytes it reads, so this is what makes packed weights pay off on
-a CPU. Compiled for the host (`-march=native`) into `$XDG_CACHE_HOME/jaxspec/` (default `~/.cache/jaxspec`),
-keyed by the source, the compiler flags, the jax version and the CPU, so an upgrade or another machine
-rebuilds it. Without a compiler (or with JAXSPEC_CPU_KERNEL=0) packed products fall back to XLA's fused loop:
+a CPU. Compiled for the host (`-march=native`) into jaxspec's cache directory (`~/.cache/jaxspec`;
+`$JAXSPEC_CACHE_DIR` moves it), keyed by the source, the compiler flags, the jax version and the CPU, so an
+upgrade or another machine rebuilds it. Without a compiler (or with JAXSPEC_CPU_KERNEL=0) packed products fall back to XLA's fused loop:
 same results, slower; the reason is printed once.
 """
 from __future__ import annotations
@@ -23,6 +23,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxspec.budget import cache_dir
 
 SOURCE = Path(__file__).with_name("packed_matmul_cpu.cc")
 TARGET = "jaxspec_packed_matmul"
@@ -43,7 +45,7 @@ def _build() -> Path:
              f"-I{jax.ffi.include_dir()}"]
     key = hashlib.sha256(b"\0".join(s.encode() for s in (SOURCE.read_text(), cxx, *flags[:-1], jax.__version__,
                                                           _host()))).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxspec"
+    cache = cache_dir()
     lib = cache / f"packed_matmul_cpu-{key}.so"
     if not lib.exists():
         cache.mkdir(parents=True, exist_ok=True)
