@@ -184,10 +184,7 @@ def matmul_parts(x: jax.Array, codes, scale, offset=None) -> jax.Array:
     """`matmul` on a packed weight's parts (e.g. a subset of a packed table's rows)."""
     rows = int(np.prod(x.shape[:-1]))
     if _kernel_fits(x, codes, scale, offset) and rows <= KERNEL_MAX_ROWS:
-        x2 = x.reshape(rows, x.shape[-1])
-        y = jax.lax.platform_dependent(
-            x2, cpu=lambda x2: cpu_kernel.packed_matmul(x2, codes, scale, offset),
-            default=lambda x2: _matmul_xla(x2, codes, scale, offset))
+        y = cpu_kernel.packed_matmul(x.reshape(rows, x.shape[-1]), codes, scale, offset)
         return y.reshape(*x.shape[:-1], codes.shape[0])
     return _matmul_xla(x, codes, scale, offset)
 
@@ -196,10 +193,12 @@ KERNEL_MAX_ROWS = 80  # measured: the kernel beats dequantise-then-dot up to 65 
 
 
 def _kernel_fits(x, codes, scale, offset) -> bool:
-    """The CPU kernel's cases: one [out, in] weight, float32 throughout, groups of a multiple of 32 inputs."""
+    """The CPU kernel's cases: one [out, in] weight, float32 throughout, groups of a multiple of 32 inputs, on
+    a CPU backend (elsewhere it is neither built nor asked for)."""
     f32 = all(a.dtype == jnp.float32 for a in (x, scale) + (() if offset is None else (offset,)))
     cols = codes.shape[-1] * (2 if codes.dtype == jnp.uint8 else 1)
-    return codes.ndim == 2 and f32 and (cols // scale.shape[-1]) % 32 == 0 and cpu_kernel.available()
+    return (codes.ndim == 2 and f32 and (cols // scale.shape[-1]) % 32 == 0 and jax.default_backend() == "cpu"
+            and cpu_kernel.available())
 
 
 def _per_channel_int8(codes, scale, offset) -> bool:
