@@ -85,10 +85,13 @@ def measure_costs(model, drafter, budgets) -> dict:
 
 
 def _key(model, drafter, budgets) -> str:
+    from jaxspec.models import cpu_kernel  # it imports this module
+
     dev = jax.devices()[0]
     params = [(str(x.shape), str(x.dtype)) for x in jax.tree.leaves(model.params)]
+    kernels = cpu_kernel.build_key() if dev.platform == "cpu" and cpu_kernel.available() else None
     parts = [model.config, drafter.config, params, dev.platform, getattr(dev, "device_kind", ""), jax.__version__,
-             jax.device_count(), sorted(budgets), COST_CONTEXT]
+             jax.device_count(), sorted(budgets), COST_CONTEXT, kernels]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 
 

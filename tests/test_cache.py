@@ -34,6 +34,9 @@ MLA = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate
            max_position_embeddings=512, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
                                                          "original_max_position_embeddings": 128})
 PREFIX, NODES, ATOL = 7, 10, 2e-5
+# The next forward's logits: float32 summation order alone moves them by up to 5e-5 on the hybrid targets,
+# whose gated norms rescale a small recurrent output (a wrong commit moves them by 1e-2 or more).
+LOGIT_ATOL = 1e-4
 TARGETS = {
     "llama": lambda: dense_config_from_dict({**BASE, "model_type": "llama"}),
     "qwen3": lambda: dense_config_from_dict({**BASE, "model_type": "qwen3", "tie_word_embeddings": True}),
@@ -143,7 +146,7 @@ def test_verify_commit_equals_causal_prefill(target, case):
     pos = jnp.asarray(PREFIX + n + np.arange(2), jnp.int32)[None]
     got = forward(target.graphdef, target.params, jnp.asarray(nxt, jnp.int32)[None], Segment.causal(pos), committed)[0]
     ref = forward(target.graphdef, target.params, jnp.asarray(nxt, jnp.int32)[None], Segment.causal(pos), want)[0]
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=ATOL)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=LOGIT_ATOL)
 
 
 def test_pallas_commit_conforms(target):

@@ -1,12 +1,16 @@
-"""The packed-weight matmul for XLA:CPU (`packed_matmul_cpu.cc`, called through the XLA FFI): built with the
-system C++ compiler on first use, cached, registered with JAX.
+"""Native matmuls for XLA:CPU (`cpu_matmul.cc`, called through the XLA FFI): built with the system C++
+compiler on first use, cached, registered with JAX.
 
-Why a native kernel: XLA:CPU has no fused form that reads packed weights at memory speed (see quant.py), and
-a batch-1 decode step is bound by the weight bytes it reads, so this is what makes packed weights pay off on
-a CPU. Compiled for the host (`-march=native`) into jaxspec's cache directory (`~/.cache/jaxspec`;
+Why native kernels: a decode step or a small tree verify is bound by the weight bytes it reads, and XLA:CPU
+reads them at memory speed only for one row of float weights. For packed weights it has no fused form that
+does (see quant.py): `packed_matmul` is what makes them pay off on a CPU. For float32 weights and 2 to a few
+dozen rows it repacks the weight for its GEMM on every call, so a 5-node tree verify costs about what 5 decode
+steps' products do: `dense` reads the weight once for all rows (and the tied LM head faster even for one).
+Compiled for the host (`-march=native`) into jaxspec's cache directory (`~/.cache/jaxspec`;
 `$JAXSPEC_CACHE_DIR` moves it), keyed by the source, the compiler flags, the jax version and the CPU, so an
-upgrade or another machine rebuilds it. Without a compiler (or with JAXSPEC_CPU_KERNEL=0) packed products fall back to XLA's fused loop:
-same results, slower; the reason is printed once.
+upgrade or another machine rebuilds it. Without a compiler (or with JAXSPEC_CPU_KERNEL=0) products run XLA's
+forms: same results up to float32 summation order, slower; the reason is printed once. Under a multi-device
+mesh or when lowering for another platform they run XLA's forms too (`usable`, `on_cpu`).
 """
 from __future__ import annotations
 
@@ -26,8 +30,9 @@ import numpy as np
 
 from jaxspec.budget import cache_dir
 
-SOURCE = Path(__file__).with_name("packed_matmul_cpu.cc")
+SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGET = "jaxspec_packed_matmul"
+DENSE = "jaxspec_dense_matmul"
 
 
 def _host() -> str:
@@ -39,19 +44,24 @@ def _host() -> str:
         return platform.processor() or platform.machine()
 
 
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp-simd", "-shared", "-fPIC")
+
+
+def build_key() -> str:
+    """What a build depends on: the source, the compiler and flags, the jax version and the CPU."""
+    parts = (SOURCE.read_text(), os.environ.get("CXX", "c++"), *FLAGS, jax.__version__, _host())
+    return hashlib.sha256(b"\0".join(s.encode() for s in parts)).hexdigest()[:16]
+
+
 def _build() -> Path:
     cxx = os.environ.get("CXX", "c++")
-    flags = ["-O3", "-march=native", "-std=c++17", "-fopenmp-simd", "-shared", "-fPIC",
-             f"-I{jax.ffi.include_dir()}"]
-    key = hashlib.sha256(b"\0".join(s.encode() for s in (SOURCE.read_text(), cxx, *flags[:-1], jax.__version__,
-                                                          _host()))).hexdigest()[:16]
-    cache = cache_dir()
-    lib = cache / f"packed_matmul_cpu-{key}.so"
+    lib = cache_dir() / f"cpu_matmul-{build_key()}.so"
     if not lib.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:  # build aside, then rename: never a half-written .so
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:  # build aside, then rename: never a half-written .so
             out = Path(tmp) / lib.name
-            subprocess.run([cxx, *flags, str(SOURCE), "-o", str(out)], check=True, capture_output=True, text=True)
+            subprocess.run([cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)], check=True,
+                           capture_output=True, text=True)
             os.replace(out, lib)
     return lib
 
@@ -64,17 +74,19 @@ def available() -> bool:
     try:
         lib = ctypes.CDLL(str(_build()))
     except subprocess.CalledProcessError as e:
-        why = (e.stderr or "").strip().splitlines()[-1:] or [f"exit code {e.returncode}"]
-        return _unavailable(f"compiling {SOURCE.name} failed: {why[0]}")
+        lines = (e.stderr or "").strip().splitlines() or [f"exit code {e.returncode}"]
+        why = next((ln for ln in lines if "error" in ln), lines[-1])  # the first error, not a caret line
+        return _unavailable(f"compiling {SOURCE.name} failed: {why.strip()}")
     except OSError as e:
         return _unavailable(str(e))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jaxspec_packed_matmul), platform="cpu")
+    jax.ffi.register_ffi_target(DENSE, jax.ffi.pycapsule(lib.jaxspec_dense_matmul), platform="cpu")
     return True
 
 
 def _unavailable(why: str) -> bool:
-    print(f"jaxspec: the packed-weight CPU kernel is unavailable ({why}); packed matmuls run XLA's fused loop "
-          "(same results, slower). Install a C++ compiler (g++) to enable it.", file=sys.stderr)
+    print(f"jaxspec: the CPU matmul kernels are unavailable ({why}); matmuls run XLA's forms "
+          "(same results, slower). Install a C++ compiler (g++) to enable them.", file=sys.stderr)
     return False
 
 
@@ -88,3 +100,83 @@ def packed_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.
     bits = 4 if codes.dtype == jnp.uint8 else 8
     return call(x, codes, scale, scale if offset is None else offset, bits=np.int64(bits),
                 with_offset=offset is not None)
+
+
+
+# Rows where the kernel beats XLA's product (python bench/cpu_matmul.py; 2-core Xeon, SmolLM2's shapes): W [K, N]
+# from 2 to about 60 rows (1 row: XLA's matrix-vector product is as fast), W [V, K] up to about 8, W's rows
+# gathered (a draft vocabulary) up to about 24.
+ROWS = {"kn": (2, 48), "nk": (1, 8), "nk_rows": (1, 16)}
+
+
+def usable(*weights) -> bool:
+    """Whether a product with these weights may run a kernel here: a CPU backend, the kernel built, and no
+    weight split over a mesh of several devices (the partitioner cannot split a custom call: it would gather
+    the whole weight onto every device)."""
+    if jax.default_backend() != "cpu":
+        return False
+    for w in weights:
+        mesh = getattr(getattr(jax.typeof(w), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty and mesh.size > 1:
+            return False
+    return available()
+
+
+def on_cpu(kernel, xla, *args):
+    """kernel(*args) when lowered for a CPU, xla(*args) for any other platform (e.g. a GPU export traced on
+    this machine), so a CPU custom call never reaches another backend's program."""
+    return jax.lax.platform_dependent(*args, cpu=kernel, default=xla)
+
+
+def dense(x: jax.Array, w: jax.Array, *, nk: bool = False, rows: jax.Array | None = None,
+          preferred_element_type=None) -> jax.Array:
+    """x [..., K] @ w [K, N] -> [..., N]; with nk, w [V, K] is used transposed (a tied embedding as the LM
+    head), and only its rows `rows` [N] when given (a draft vocabulary: no gathered copy of the rows).
+
+    Float32 products of ROWS rows (a tree verify, a draft block; the [V, K] head also for a decode step) run
+    the kernel, which reads w once at close to memory speed; XLA:CPU's product costs about one matrix-vector
+    product per row there (it repacks w for its GEMM on every call). Differentiable (the gradient is XLA's).
+    preferred_element_type: XLA's accumulation and output type (float32 logits from bf16 weights)."""
+    m, K = int(np.prod(x.shape[:-1])), x.shape[-1]
+    lo, hi = ROWS["kn" if not nk else "nk" if rows is None else "nk_rows"]
+    if not (x.dtype == w.dtype == jnp.float32 and lo <= m <= hi and usable(w)):
+        return _dense_xla(x, w, rows, nk, preferred_element_type)
+    kernel = lambda x2, w, rows: dense_kernel(x2, w, nk=nk, rows=rows)  # noqa: E731
+    xla = lambda x2, w, rows: _dense_xla(x2, w, rows, nk)  # noqa: E731
+    y = on_cpu(kernel, xla, x.reshape(m, K), w, rows)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def dense_kernel(x: jax.Array, w: jax.Array, *, nk: bool = False, rows: jax.Array | None = None) -> jax.Array:
+    """`dense` on the kernel whatever the number of rows: x float32 [M, K] -> [M, N]."""
+    if not available():
+        raise RuntimeError("the CPU matmul kernel is unavailable (see the notice above)")
+    idx = jnp.zeros((1,), jnp.int32) if rows is None else rows.astype(jnp.int32)
+    return _dense_kernel(x, w, idx, nk, rows is not None)
+
+
+def _dense_xla(x, w, rows, nk, preferred_element_type=None):
+    if not nk:
+        return jnp.matmul(x, w, preferred_element_type=preferred_element_type)
+    w = w if rows is None else jnp.take(w, rows, axis=0)
+    return jnp.einsum("...k,nk->...n", x, w, preferred_element_type=preferred_element_type)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _dense_kernel(x, w, idx, nk, gather):
+    n = (idx.shape[0] if gather else w.shape[0]) if nk else w.shape[1]
+    call = jax.ffi.ffi_call(DENSE, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), vmap_method="sequential")
+    return call(x, w, idx, nk=nk, gather=gather)
+
+
+def _dense_fwd(x, w, idx, nk, gather):
+    return _dense_kernel(x, w, idx, nk, gather), (x, w, idx)
+
+
+def _dense_bwd(nk, gather, res, g):
+    x, w, idx = res
+    _, vjp = jax.vjp(lambda x, w: _dense_xla(x, w, idx if gather else None, nk), x, w)
+    return (*vjp(g), None)
+
+
+_dense_kernel.defvjp(_dense_fwd, _dense_bwd)

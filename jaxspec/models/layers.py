@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jaxspec.config import RopeConfig
-from jaxspec.models import quant
+from jaxspec.models import cpu_kernel, quant
 
 
 def param(value: jax.Array, axes: tuple[str, ...]) -> nnx.Param:
@@ -27,9 +27,10 @@ def param(value: jax.Array, axes: tuple[str, ...]) -> nnx.Param:
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias); kernel is [in, out] (HF stores [out, in]: the loader transposes), or a
-    `quant.Packed` weight [out, in] (int8 / int4 codes + group scales), whose dequantisation is fused
-    into the matmul (`quant.pack_module` swaps it in; see jaxspec/models/quant.py).
+    """y = x @ kernel (+ bias); kernel is [in, out] (HF stores [out, in]: the loader transposes; on a CPU, a
+    product of a few rows runs `cpu_kernel.dense`), or a `quant.Packed` weight [out, in] (int8 / int4 codes +
+    group scales), whose dequantisation is fused into the matmul (`quant.pack_module` swaps it in; see
+    jaxspec/models/quant.py).
 
     axes: logical names of (in, out), e.g. ("embed", "q_heads")."""
 
@@ -39,7 +40,8 @@ class Linear(nnx.Module):
         self.bias = param(jnp.zeros((d_out,), dtype), axes[1:]) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = quant.matmul(x, self.kernel) if isinstance(self.kernel, quant.Packed) else x @ self.kernel[...]
+        packed = isinstance(self.kernel, quant.Packed)
+        y = quant.matmul(x, self.kernel) if packed else cpu_kernel.dense(x, self.kernel[...])
         return y + self.bias[...] if self.bias is not None else y
 
     def weight(self) -> jax.Array:
@@ -98,10 +100,9 @@ def lm_logits(h: jax.Array, embed_tokens, lm_head: "Linear | None", vocab: jax.A
         rows = [None if a is None else jnp.take(a, vocab, axis=0) for a in W.parts()]  # still packed
         return quant.matmul_parts(h, *rows).astype(jnp.float32)
     if lm_head is None:
-        W = W[...] if vocab is None else jnp.take(W[...], vocab, axis=0)
-        return jnp.einsum("...h,vh->...v", h, W, preferred_element_type=jnp.float32)
+        return cpu_kernel.dense(h, W[...], nk=True, rows=vocab, preferred_element_type=jnp.float32)
     W = W[...] if vocab is None else jnp.take(W[...], vocab, axis=1)
-    return jnp.einsum("...h,hv->...v", h, W, preferred_element_type=jnp.float32)
+    return cpu_kernel.dense(h, W, preferred_element_type=jnp.float32)
 
 
 def finish(model, x: jax.Array, tapped: dict, tap_layers, logits_idx) -> tuple[jax.Array, jax.Array | None]:

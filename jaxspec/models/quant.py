@@ -16,7 +16,7 @@ The dtype of `codes` tells the two storages apart. Int4 weights therefore need `
 
 How the product runs (measured; bench/quant.py and the README hold the numbers):
   * On a CPU, products of up to KERNEL_MAX_ROWS rows (decode steps, tree verifies) run in jaxspec's native
-    kernel (`packed_matmul_cpu.cc`, through the XLA FFI), which reads each packed byte once per call and,
+    kernel (`cpu_matmul.cc`, through the XLA FFI), which reads each packed byte once per call and,
     with AVX-512 VNNI, multiplies in integers (the activations split into int8 limbs, float32-exact): a
     decode step is bound by the bytes it reads, so 4-bit weights (0.75 bytes per weight with a float32 scale
     and offset per 32) are what make it fast. Elsewhere (GPU, prefill, no C++ compiler), XLA's forms:
@@ -183,8 +183,8 @@ def matmul(x: jax.Array, p: Packed) -> jax.Array:
 def matmul_parts(x: jax.Array, codes, scale, offset=None) -> jax.Array:
     """`matmul` on a packed weight's parts (e.g. a subset of a packed table's rows)."""
     rows = int(np.prod(x.shape[:-1]))
-    if _kernel_fits(x, codes, scale, offset) and rows <= KERNEL_MAX_ROWS:
-        y = cpu_kernel.packed_matmul(x.reshape(rows, x.shape[-1]), codes, scale, offset)
+    if rows <= KERNEL_MAX_ROWS and _kernel_fits(x, codes, scale, offset):
+        y = cpu_kernel.on_cpu(cpu_kernel.packed_matmul, _matmul_xla, x.reshape(rows, x.shape[-1]), codes, scale, offset)
         return y.reshape(*x.shape[:-1], codes.shape[0])
     return _matmul_xla(x, codes, scale, offset)
 
@@ -194,11 +194,10 @@ KERNEL_MAX_ROWS = 80  # measured: the kernel beats dequantise-then-dot up to 65 
 
 def _kernel_fits(x, codes, scale, offset) -> bool:
     """The CPU kernel's cases: one [out, in] weight, float32 throughout, groups of a multiple of 32 inputs, on
-    a CPU backend (elsewhere it is neither built nor asked for)."""
+    a CPU backend and one device (`cpu_kernel.usable`; elsewhere it is neither built nor asked for)."""
     f32 = all(a.dtype == jnp.float32 for a in (x, scale) + (() if offset is None else (offset,)))
     cols = codes.shape[-1] * (2 if codes.dtype == jnp.uint8 else 1)
-    return (codes.ndim == 2 and f32 and (cols // scale.shape[-1]) % 32 == 0 and jax.default_backend() == "cpu"
-            and cpu_kernel.available())
+    return codes.ndim == 2 and f32 and (cols // scale.shape[-1]) % 32 == 0 and cpu_kernel.usable(codes)
 
 
 def _per_channel_int8(codes, scale, offset) -> bool:
