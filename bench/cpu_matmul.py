@@ -10,26 +10,14 @@ this prints are where `cpu_kernel.ROWS` comes from.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.budget import timeit
 from jaxspec.models import cpu_kernel
 
 SMOLLM2 = dict(hidden=576, ffn=1536, kv=192, layers=30, vocab=49152)
-
-
-def timeit(f, *args, reps: int = 15) -> float:
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
 
 
 def main():
@@ -64,8 +52,9 @@ def main():
           f"  {'draft head xla':>14} {'kernel':>7} {'x':>5}")
     for m in (int(r) for r in args.rows.split(",")):
         x = jnp.asarray(rng.normal(size=(m, c["ffn"])).astype(np.float32))
-        t = [timeit(f, x, ws) for f in kn.values()] + [timeit(f, x[:, :H], head) for f in nk.values()] + \
-            [timeit(f, x[:, :H], head) for f in nk_rows.values()]
+        ms = lambda f, *a: 1e3 * timeit(f, *a, reps=15)  # noqa: E731
+        t = [ms(f, x, ws) for f in kn.values()] + [ms(f, x[:, :H], head) for f in nk.values()] + \
+            [ms(f, x[:, :H], head) for f in nk_rows.values()]
         print(f"{m:>4}  {t[0]:>15.2f} {t[1]:>7.2f} {t[0] / t[1]:>4.2f}x  {t[2]:>8.2f} {t[3]:>7.2f} {t[2] / t[3]:>4.2f}x"
               f"  {t[4]:>14.2f} {t[5]:>7.2f} {t[4] / t[5]:>4.2f}x", flush=True)
 

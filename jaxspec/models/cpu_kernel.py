@@ -102,7 +102,6 @@ def packed_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.
                 with_offset=offset is not None)
 
 
-
 # Rows where the kernel beats XLA's product (python bench/cpu_matmul.py; 2-core Xeon, SmolLM2's shapes): W [K, N]
 # from 2 to about 60 rows (1 row: XLA's matrix-vector product is as fast), W [V, K] up to about 8, W's rows
 # gathered (a draft vocabulary) up to about 24.
