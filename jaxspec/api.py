@@ -152,7 +152,7 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
                                      eos=eos, layout=model.layout)
                 if s.cache.max_len == full or count(s) >= stop or bool(np.all(to_host(s.done))):
                     return s
-                s = engine.ar_grow(s, max_len=min(full, s.cache.max_len + window), layout=model.layout)
+                s = engine.ar_reslot(s, jnp.int32(0), max_len=min(full, s.cache.max_len + window), layout=model.layout)
     else:
         if len(rows) != 1:
             raise ValueError("speculative decoding runs one prompt at a time; use method='ar' for batches")

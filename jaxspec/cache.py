@@ -116,19 +116,41 @@ class Cache:
         end, the rest (recurrent state) is kept. Attention reads every slot of its buffer, so a batched AR
         decode starts small and grows by windows instead of reading a mostly empty full-length buffer."""
         assert max_len >= self.max_len, (max_len, self.max_len)
+        return self.reslot(0, max_len)
 
-        def pad(entry):
-            def one(name, axes):
-                x = getattr(entry, name)
-                if "seq" not in axes:
-                    return x
-                widths = [(0, 0)] * x.ndim
-                widths[axes.index("seq")] = (0, max_len - self.max_len)
-                return jnp.pad(x, widths)
+    def reslot(self, shift, max_len: int) -> "Cache":
+        """The same committed tokens in a buffer of `max_len` slots, moved `shift` slots left (old slot s is new
+        slot s - shift; traced shift is fine, negative moves right): continuous batching slides the live rows'
+        tokens to the front of a short buffer instead of growing it for ever. Slots moved off either end are
+        lost, so the caller keeps every live row's committed slots inside."""
 
-            return replace(entry, **{name: one(name, axes) for name, axes in entry.AXES.items()})
+        def move(x, axis):
+            pad = [(0, 0)] * x.ndim
+            pad[axis] = (max_len, max_len)  # every shift in [-max_len, T] stays inside
+            return jax.lax.dynamic_slice_in_dim(jnp.pad(x, pad), shift + max_len, max_len, axis=axis)
 
-        return replace(self, layers=tuple(pad(e) for e in self.layers), max_len=max_len)
+        layers = tuple(_map_buffers(e, lambda x, axes: move(x, axes.index("seq")) if "seq" in axes else x)
+                       for e in self.layers)
+        return replace(self, layers=layers, length=self.length - shift, start=self.start - shift, max_len=max_len)
+
+    def put_rows(self, rows, new: "Cache") -> "Cache":
+        """Rows `rows` [R] replaced by the R rows of `new`, a freshly prefilled cache of new.max_len ==
+        new.length slots: its slots land at length - new.length .. length - 1, so each new prompt ends where
+        the other rows' committed tokens end and decodes on with them. Rows past the batch (padding of `rows`
+        to a fixed R) are dropped. Needs new.length <= length (reslot first)."""
+        offset = self.length - new.length
+
+        def put(x, y, axes):
+            if "seq" not in axes:
+                return x.at[rows].set(y.astype(x.dtype), mode="drop")
+            seq = axes.index("seq")
+            at = [jnp.int32(0)] * x.ndim
+            at[seq] = offset
+            fresh = jnp.zeros((y.shape[0], *x.shape[1:]), x.dtype)  # slots before the prompt stay hidden by start
+            return x.at[rows].set(jax.lax.dynamic_update_slice(fresh, y.astype(x.dtype), at), mode="drop")
+
+        layers = tuple(_map_buffers(e, put, n) for e, n in zip(self.layers, new.layers))
+        return replace(self, layers=layers, start=self.start.at[rows].set(new.start + offset, mode="drop"))
 
     def logical_axes(self) -> "Cache":
         """The same pytree with a logical PartitionSpec in place of every buffer."""
@@ -137,3 +159,14 @@ class Cache:
 
         return replace(self, layers=tuple(spec(e) for e in self.layers), length=PartitionSpec(),
                        start=PartitionSpec("batch"))
+
+
+def _map_buffers(entry, fn, other=None):
+    """`entry` with fn(buffer, axes) (or fn(buffer, other's buffer, axes)) applied to each buffer named in AXES;
+    every AXES layout starts with the batch axis."""
+    def one(name, axes):
+        assert axes[0] == "batch", (type(entry).__name__, name, axes)
+        x = getattr(entry, name)
+        return fn(x, axes) if other is None else fn(x, getattr(other, name), axes)
+
+    return replace(entry, **{name: one(name, axes) for name, axes in entry.AXES.items()})

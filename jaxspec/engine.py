@@ -45,7 +45,7 @@ class ARState:
     steps: jax.Array  # [] target forwards so far, the prefill included (= tokens per unfinished row)
     done: jax.Array  # [B] bool: EOS sampled or max_new reached
     key: jax.Array
-    max_new: jax.Array  # [] int32
+    max_new: jax.Array  # [] or [B] int32: tokens each row may generate
 
 
 def _pin(layout: Layout | None, cache: Cache) -> Cache:
@@ -78,8 +78,8 @@ def ar_decode(target_def, target_params, state: ARState, stop_at, *, sampling: S
     target = nnx.merge(target_def, target_params)
     eos_ids = jnp.asarray(eos, jnp.int32)
 
-    def cond(s: ARState):
-        return ~jnp.all(s.done) & (s.steps < jnp.minimum(s.max_new, stop_at))
+    def cond(s: ARState):  # a row is done once it has max_new tokens, so max_new needs no check here
+        return ~jnp.all(s.done) & (s.steps < stop_at)
 
     def body(s: ARState):
         positions = (s.cache.length - s.cache.start)[:, None]  # [B, 1]
@@ -88,17 +88,43 @@ def ar_decode(target_def, target_params, state: ARState, stop_at, *, sampling: S
         tok = sample(logits[:, 0], sub, sampling)
         live = ~s.done
         out = jax.lax.dynamic_update_slice(s.out, jnp.where(live, tok, 0)[:, None], (0, s.steps))
-        done = s.done | jnp.isin(tok, eos_ids) | (s.steps + 1 >= s.max_new)
+        done = s.done | jnp.isin(tok, eos_ids) | (s.emitted + 1 >= s.max_new)
         return ARState(cache=_pin(layout, cache.advance(1)), last=tok, out=out, emitted=s.emitted + live, steps=s.steps + 1,
                        done=done, key=key, max_new=s.max_new)
 
     return jax.lax.while_loop(cond, body, state)
 
 
+@functools.partial(jax.jit, static_argnames=("target_def", "sampling", "eos", "layout"), donate_argnames=("state",))
+def ar_refill(target_def, target_params, state: ARState, rows, tokens, start, max_new, *, sampling: SamplingParams,
+              eos, layout: Layout | None = None) -> tuple[ARState, jax.Array]:
+    """Continuous batching: rows `rows` [R] (finished; indices >= B are padding and ignored) start new prompts.
+
+    tokens [R, P] left-padded (row r's first real slot start[r]) are prefilled into a fresh P-slot cache that
+    put_rows places so each prompt ends at the batch's `length`; the rows then decode on with the others,
+    `max_new` [R] tokens each. Returns the state (per-row max_new) and each new row's first token [R]."""
+    target = nnx.merge(target_def, target_params)
+    R, P = tokens.shape
+    positions = jnp.maximum(jnp.arange(P)[None, :] - start[:, None], 0)
+    fresh = target.init_cache(R, P).with_start(start)
+    logits, _, fresh = target(tokens, Segment.causal(positions), fresh, logits_idx=jnp.full((R, 1), P - 1))
+    key, sub = jax.random.split(state.key)
+    tok = sample(logits[:, 0], sub, sampling)
+    put = lambda x, y: x.at[rows].set(y, mode="drop")  # noqa: E731
+    B = state.last.shape[0]
+    state = replace(
+        state, cache=_pin(layout, state.cache.put_rows(rows, fresh.advance(P))), last=put(state.last, tok),
+        emitted=put(state.emitted, jnp.ones((R,), jnp.int32)),
+        done=put(state.done, jnp.isin(tok, jnp.asarray(eos, jnp.int32)) | (max_new <= 1)),
+        key=key, max_new=put(jnp.broadcast_to(state.max_new, (B,)), max_new))
+    return state, tok
+
+
 @functools.partial(jax.jit, static_argnames=("max_len", "layout"))
-def ar_grow(state: ARState, *, max_len: int, layout: Layout | None = None) -> ARState:
-    """The same state with room for max_len cache slots (Cache.grow): the next window of a batched decode."""
-    return replace(state, cache=_pin(layout, state.cache.grow(max_len)))
+def ar_reslot(state: ARState, shift, *, max_len: int, layout: Layout | None = None) -> ARState:
+    """The same state with its cache moved `shift` slots left into `max_len` slots (Cache.reslot): the next
+    window of a batched decode (shift 0), or continuous batching's slide of the live rows to the front."""
+    return replace(state, cache=_pin(layout, state.cache.reslot(shift, max_len)))
 
 
 # ------------------------------------------------------------------------------------ speculative

@@ -129,8 +129,8 @@ def test_batched_ar_grows_the_cache_by_windows(target, ar_ref, monkeypatch):
     """A left-padded batch decoded over three cache windows gives each row what a full-length cache gives it
     alone (and row 0 the AR reference)."""
     other = PROMPT[5:]
-    grown, real_grow = [], engine.ar_grow
-    monkeypatch.setattr(engine, "ar_grow", lambda s, **kw: grown.append(kw["max_len"]) or real_grow(s, **kw))
+    grown, real_reslot = [], engine.ar_reslot
+    monkeypatch.setattr(engine, "ar_reslot", lambda s, shift, **kw: grown.append(kw["max_len"]) or real_reslot(s, shift, **kw))
     res = jaxspec.generate(target, input_ids=[PROMPT, other], method="ar", max_new_tokens=150)
     assert grown == [192, 256]  # prompt slots 64: windows of 128, 192 and 256 slots
     monkeypatch.setattr(api, "ar_window", lambda model, batch, max_len: max_len)

