@@ -46,7 +46,7 @@ def main(argv=None) -> int:
         model = jaxspec.load(path)
         data = self_distill(model, prompts, args.seq_len, samples=args.samples, first_sample=args.first_sample,
                             temperature=args.temperature, batch=args.batch, seed=args.seed)
-        recipe = dict(model=str(path), prompts=args.prompts, samples=args.samples, first_sample=args.first_sample,
+        recipe = dict(model=Path(path).name, prompts=args.prompts, samples=args.samples, first_sample=args.first_sample,
                       temperature=args.temperature, seq_len=args.seq_len, seed=args.seed)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(out.stem + ".tmp.npz")
