@@ -237,3 +237,20 @@ def test_distill_files_train_alongside(tmp_path, capsys):
         assert msg in capsys.readouterr().err and not (tmp_path / "fresh").exists()
     assert distill_main(common + ["--out", str(tmp_path / "c.txt")]) == 2
     assert ".npz" in capsys.readouterr().err
+
+
+def test_kept_data_files_are_whole():
+    """Every kept self-distillation part loads, says how it was made, and holds answers after prompts."""
+    import json
+    from pathlib import Path
+
+    from jaxspec.train.data import Dataset
+
+    files = sorted((Path(__file__).parents[1] / "data").glob("*/*.npz"))
+    assert files
+    for f in files:
+        d = Dataset.load(f)
+        recipe = json.loads(str(np.load(f)["recipe"]))
+        assert d.tokens.shape[1] == recipe["seq_len"] and d.tokens.min() >= 0, f
+        first = d.loss_mask.argmax(1)  # the answer starts after a non-empty prompt and runs to the row's end
+        assert (first > 0).all() and (d.loss_mask.sum(1) == d.lengths - first).all(), f
