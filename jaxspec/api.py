@@ -29,8 +29,18 @@ class GenerationResult:
     stats: dict = field(default_factory=dict)
 
 
-def _round_up(n: int, m: int) -> int:
+def round_up(n: int, m: int) -> int:
+    """The multiple of m at or above n (at least m): buffer sizes from a few compiled shapes."""
     return max(m, -(-n // m) * m)
+
+
+def left_pad(rows: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts -> tokens [B, width] with every row's last token at slot width - 1, and each row's first real
+    slot [B] (the engine's `start`)."""
+    tokens = np.zeros((len(rows), width), np.int32)
+    for b, r in enumerate(rows):
+        tokens[b, width - len(r):] = r
+    return tokens, np.array([width - len(r) for r in rows], np.int32)
 
 
 def encode_prompt(model: Model, prompt, chat: bool | None) -> list[int]:
@@ -131,16 +141,13 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
     t0 = time.perf_counter()
 
     if method == "ar":
-        B, P = len(rows), _round_up(longest, 64)
-        tokens = np.zeros((B, P), np.int32)  # left-padded: every row's last prompt token at slot P - 1
-        start = np.array([P - len(r) for r in rows], np.int32)
-        for b, r in enumerate(rows):
-            tokens[b, P - len(r):] = r
-        full = _round_up(P + max_new_tokens, 256)
+        B, P = len(rows), round_up(longest, 64)
+        tokens, start = left_pad(rows, P)
+        full = round_up(P + max_new_tokens, 256)
         window = ar_window(model, B, full)
         state = engine.ar_prefill(model.graphdef, model.params, jnp.asarray(tokens), jnp.asarray(start), key,
                                   jnp.int32(max_new_tokens), max_len=min(full, P + window),
-                                  out_len=_round_up(max_new_tokens, 64), sampling=sampling, eos=eos,
+                                  out_len=round_up(max_new_tokens, 64), sampling=sampling, eos=eos,
                                   layout=model.layout)
         count = lambda s: int(to_host(s.steps))  # noqa: E731
 
@@ -166,13 +173,13 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
         settings = engine.SpecSettings(method, budget, dc.block_size, dc.target_layer_ids, sampling, eos, kv_impl,
                                        model.layout, drafter.layout)
         (r,) = rows
-        P = _round_up(len(r), 64)
+        P = round_up(len(r), 64)
         tokens = np.zeros((1, P), np.int32)  # right-padded; the forward is told the real length
         tokens[0, : len(r)] = r
         # The last round starts at L <= len + max_new - 2 and writes 1 + budget tree slots (target) and
         # block_size context rows (drafter) from there: scratch slots past the context length are fine.
-        max_len = _round_up(max(P, len(r) + max_new_tokens + budget + dc.block_size), 256)
-        out_len = _round_up(max_new_tokens, 64) + dc.block_size
+        max_len = round_up(max(P, len(r) + max_new_tokens + budget + dc.block_size), 256)
+        out_len = round_up(max_new_tokens, 64) + dc.block_size
         state = engine.spec_prefill(model.graphdef, model.params, drafter.graphdef, drafter.params,
                                     jnp.asarray(tokens), jnp.int32(len(r)), key, jnp.int32(max_new_tokens),
                                     max_len=max_len, out_len=out_len, settings=settings)

@@ -20,23 +20,12 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxspec import engine
+from jaxspec.api import left_pad, round_up
 from jaxspec.model import Model
 from jaxspec.sampling import SamplingParams
 from jaxspec.sharding import to_host
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def _left_pad(rows: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
-    tokens = np.zeros((len(rows), width), np.int32)
-    for b, r in enumerate(rows):
-        tokens[b, width - len(r):] = r
-    return tokens, np.array([width - len(r) for r in rows], np.int32)
 
 
 def generate_many(model: Model, input_ids: list[list[int]], max_new_tokens: int | list[int], *, batch: int = 64,
@@ -69,7 +58,7 @@ def generate_many(model: Model, input_ids: list[list[int]], max_new_tokens: int 
     kw = dict(sampling=sampling, eos=eos, layout=model.layout)
     # A row's prompt and answer never need more than `span` slots; a chunk past the newest token needs `chunk`.
     span = max(len(r) + m for r, m in zip(input_ids, limits))
-    max_len = _round_up(span + chunk, 32)  # attention reads every slot: no more than needed
+    max_len = round_up(span + chunk, 32)  # attention reads every slot: no more than needed
 
     answers: list[list[int] | None] = [None] * n
     owner: list[int | None] = [None] * B  # prompt index decoding in each slot
@@ -90,8 +79,8 @@ def generate_many(model: Model, input_ids: list[list[int]], max_new_tokens: int 
             finish(b)
 
     first_rows = [input_ids[i] for i in range(B)]
-    P = _round_up(max(map(len, first_rows)), 64)
-    tokens, start = _left_pad(first_rows, P)
+    P = round_up(max(map(len, first_rows)), 64)
+    tokens, start = left_pad(first_rows, P)
     state = engine.ar_prefill(model.graphdef, model.params, jnp.asarray(tokens), jnp.asarray(start),
                               jax.random.key(seed), jnp.asarray(limits[:B], jnp.int32), max_len=max(max_len, P),
                               out_len=chunk, **kw)
@@ -105,9 +94,9 @@ def generate_many(model: Model, input_ids: list[list[int]], max_new_tokens: int 
         take = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
         if take:
             R = 1 << math.ceil(math.log2(len(take)))
-            P = _round_up(max(len(input_ids[i]) for i in take), 64)
+            P = round_up(max(len(input_ids[i]) for i in take), 64)
             rows = free[: len(take)] + [B] * (R - len(take))  # index B: padding, dropped by ar_refill
-            tokens, start = _left_pad([input_ids[i] for i in take] + [input_ids[take[0]]] * (R - len(take)), P)
+            tokens, start = left_pad([input_ids[i] for i in take] + [input_ids[take[0]]] * (R - len(take)), P)
             length = int(to_host(state.cache.length))
             if length < P:  # the new prompts must end at `length`: slide everything right
                 state = engine.ar_reslot(state, jnp.int32(length - P), max_len=state.cache.max_len, layout=model.layout)

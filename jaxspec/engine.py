@@ -59,16 +59,23 @@ def ar_prefill(target_def, target_params, tokens, start, key, max_new, *, max_le
     """Left-padded prompts tokens [B, P] (row b's first real slot is start[b]) -> state with the first token."""
     target = nnx.merge(target_def, target_params)
     B, P = tokens.shape
-    positions = jnp.maximum(jnp.arange(P)[None, :] - start[:, None], 0)  # the pads' positions are never seen
-    cache = _pin(layout, target.init_cache(B, max_len).with_start(start))
-    logits, _, cache = target(tokens, Segment.causal(positions), cache, logits_idx=jnp.full((B, 1), P - 1))
-    key, sub = jax.random.split(key)
-    tok = sample(logits[:, 0], sub, sampling)
+    cache, tok, key = _prefill(target, tokens, start, _pin(layout, target.init_cache(B, max_len).with_start(start)),
+                               key, sampling)
     return ARState(
-        cache=_pin(layout, cache.advance(P)), last=tok, out=jnp.zeros((B, out_len), jnp.int32).at[:, 0].set(tok),
+        cache=_pin(layout, cache), last=tok, out=jnp.zeros((B, out_len), jnp.int32).at[:, 0].set(tok),
         emitted=jnp.ones((B,), jnp.int32), steps=jnp.int32(1),
         done=jnp.isin(tok, jnp.asarray(eos, jnp.int32)) | (max_new <= 1), key=key, max_new=max_new,
     )
+
+
+def _prefill(target, tokens, start, cache: Cache, key, sampling: SamplingParams):
+    """Left-padded prompts tokens [B, P] through `cache` (its start = start) -> (cache advanced by P, each row's
+    first token [B], the next key). The pads' positions are clamped to 0: no real token ever attends to them."""
+    B, P = tokens.shape
+    positions = jnp.maximum(jnp.arange(P)[None, :] - start[:, None], 0)
+    logits, _, cache = target(tokens, Segment.causal(positions), cache, logits_idx=jnp.full((B, 1), P - 1))
+    key, sub = jax.random.split(key)
+    return cache.advance(P), sample(logits[:, 0], sub, sampling), key
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "sampling", "eos", "layout"), donate_argnames=("state",))
@@ -105,15 +112,11 @@ def ar_refill(target_def, target_params, state: ARState, rows, tokens, start, ma
     `max_new` [R] tokens each. Returns the state (per-row max_new) and each new row's first token [R]."""
     target = nnx.merge(target_def, target_params)
     R, P = tokens.shape
-    positions = jnp.maximum(jnp.arange(P)[None, :] - start[:, None], 0)
-    fresh = target.init_cache(R, P).with_start(start)
-    logits, _, fresh = target(tokens, Segment.causal(positions), fresh, logits_idx=jnp.full((R, 1), P - 1))
-    key, sub = jax.random.split(state.key)
-    tok = sample(logits[:, 0], sub, sampling)
+    fresh, tok, key = _prefill(target, tokens, start, target.init_cache(R, P).with_start(start), state.key, sampling)
     put = lambda x, y: x.at[rows].set(y, mode="drop")  # noqa: E731
     B = state.last.shape[0]
     state = replace(
-        state, cache=_pin(layout, state.cache.put_rows(rows, fresh.advance(P))), last=put(state.last, tok),
+        state, cache=_pin(layout, state.cache.put_rows(rows, fresh)), last=put(state.last, tok),
         emitted=put(state.emitted, jnp.ones((R,), jnp.int32)),
         done=put(state.done, jnp.isin(tok, jnp.asarray(eos, jnp.int32)) | (max_new <= 1)),
         key=key, max_new=put(jnp.broadcast_to(state.max_new, (B,)), max_new))
