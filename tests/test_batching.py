@@ -7,8 +7,10 @@ import pytest
 
 import jaxspec
 from jaxspec.batching import generate_many
+from jaxspec.sampling import SamplingParams
 from test_cache import TARGETS
-from test_engine import tiny_target
+from test_engine import PROMPT, tiny_target
+from test_sampling import check_distribution, exact_levels, sampling_target
 
 FAMILIES = {
     "qwen3": lambda: tiny_target("qwen3"),
@@ -53,6 +55,23 @@ def test_sampling_is_seeded_and_within_limits():
     b = generate_many(model, prompts, 12, batch=2, chunk=4, temperature=1.0, seed=3)
     greedy = generate_many(model, prompts, 12, batch=2, chunk=4)
     assert a == b and a != greedy and all(len(x) == 12 for x in a)
+
+
+def test_sampled_answers_follow_the_target():
+    """Sampled rows are exact draws wherever they land: 1500 copies of PROMPT among 500 other prompts (1-40
+    tokens, 1-9 new tokens each) through 16 slots refilled every 2 steps, so PROMPT starts in every slot, at
+    many offsets, before and after slides. Its tokens 1-3 (marginals and consecutive pairs) must follow the
+    exact filtered target probabilities (chi-square, p > 1e-3)."""
+    model = sampling_target(3.0)
+    sp = SamplingParams(0.8, 12, 0.9)
+    rng = np.random.default_rng(2)
+    n = 2000
+    mine = set(rng.choice(n, 1500, replace=False).tolist())
+    prompts = [PROMPT if i in mine else rng.integers(0, 128, int(rng.integers(1, 41))).tolist() for i in range(n)]
+    limits = [3 if i in mine else int(rng.integers(1, 10)) for i in range(n)]
+    got = generate_many(model, prompts, limits, batch=16, chunk=2, temperature=sp.temperature, top_k=sp.top_k,
+                        top_p=sp.top_p, seed=5)
+    check_distribution([got[i] for i in sorted(mine)], exact_levels(model, sp, 3), 3, "continuous batching")
 
 
 def test_bad_inputs():
