@@ -33,7 +33,7 @@ def test_train_forward_matches_drafting(vocab):
     m = tiny_target("llama")
     d = jaxspec.init_drafter(m, num_layers=2, block_size=8, seed=2, draft_vocab=vocab)
     seq = jnp.asarray([PROMPT + PROMPT[:7]])  # [1, 20]
-    taps = compute_taps(m, Dataset(np.asarray(seq), np.ones(seq.shape, bool), np.array([20])), d.config.target_layer_ids)
+    taps, _ = compute_taps(m, Dataset(np.asarray(seq), np.ones(seq.shape, bool), np.array([20])), d.config.target_layer_ids)
     anchors = jnp.asarray([[5, 11]])
     block = jnp.where(jnp.arange(8) == 0, seq[0, anchors[0]][:, None], d.config.mask_token_id)[None]  # [1, 2, 8]
     tgt, dm = m.module, d.module
@@ -43,6 +43,45 @@ def test_train_forward_matches_drafting(vocab):
         want = dm.draft_logits(tgt, cache, seq[0, a], jnp.int32(a))
         want = np.asarray(want)[:, list(vocab)] if vocab else np.asarray(want)
         np.testing.assert_allclose(np.asarray(dm.head(tgt, h_train[0, j, 1:])), want, atol=1e-4)
+
+
+def test_soft_labels_are_the_targets_next_token_distribution():
+    """compute_taps' soft labels at position t: the SOFT_K most likely tokens after x_0..x_t and their
+    probabilities, as a plain full-sequence forward (model.logits) gives them."""
+    from jaxspec.train.data import SOFT_K
+
+    m = tiny_target("qwen3")
+    data, _ = tiny_data(m, n=5)
+    _, (ids, probs) = compute_taps(m, data, (1,), soft=True, batch=2)  # 5 rows: the last batch is padded
+    p = np.asarray(jax.nn.softmax(m.logits(jnp.asarray(data.tokens)), axis=-1))  # [N, S, V]
+    want = np.sort(p, axis=-1)[..., ::-1][..., :SOFT_K]
+    np.testing.assert_allclose(probs, want, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(np.take_along_axis(p, ids, -1), probs, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("vocab", [(), tuple(range(0, 128, 2))])
+def test_one_hot_soft_labels_give_the_hard_loss(vocab):
+    """Soft labels that put all mass on the data's next token (x_{t+1} after position t) give exactly the
+    hard-label loss: slot k of a block at anchor a must read the distribution after x_{a+k-1}."""
+    m = tiny_target("qwen3")
+    data, _ = tiny_data(m, n=4)
+    d = jaxspec.init_drafter(m, num_layers=1, block_size=8, draft_vocab=vocab)
+    taps, _ = compute_taps(m, data, d.config.target_layer_ids)
+    ids = np.zeros(data.tokens.shape + (3,), np.int32)
+    ids[:, :-1, 0], ids[:, :, 1:] = data.tokens[:, 1:], 5  # other ids with zero probability
+    probs = np.zeros(ids.shape, np.float32)
+    probs[..., 0] = 1.0
+    anchors = jnp.asarray(np.random.RandomState(1).randint(8, 45, (4, 6)))
+    args = (m.module, d.module, jnp.asarray(taps), jnp.asarray(data.tokens), jnp.asarray(data.loss_mask), anchors,
+            jnp.ones((4, 6), bool), d.config.mask_token_id, 4.0)
+    hard, _ = block_loss(*args)
+    soft, _ = block_loss(*args, (jnp.asarray(ids), jnp.asarray(probs)), 1.0)
+    np.testing.assert_allclose(float(soft), float(hard), rtol=1e-5)
+    five = (jnp.asarray(ids), jnp.asarray(np.roll(probs, 1, axis=-1)))  # all mass on id 5
+    only5, _ = block_loss(*args, five, 1.0)
+    mixed, _ = block_loss(*args, five, 0.25)
+    assert abs(float(only5) - float(hard)) > 0.05
+    np.testing.assert_allclose(float(mixed), 0.75 * float(hard) + 0.25 * float(only5), rtol=1e-5)
 
 
 @pytest.mark.parametrize("steps", [1, 2, 1000])
@@ -69,22 +108,23 @@ def test_frequent_tokens():
     assert frequent_tokens(data, 3, always=(0,)) == (0, 1, 5)
 
 
-@pytest.mark.parametrize("draft_vocab", [0, 64])
-def test_training_learns(draft_vocab):
+@pytest.mark.parametrize("draft_vocab,soft_weight", [(0, 0.0), (64, 0.0), (64, 0.7)])
+def test_training_learns(draft_vocab, soft_weight):
     """Loss falls and acceptance rises, also with a draft vocabulary (its label mapping must be right for
-    acceptance to rise: verification only accepts the target's own tokens)."""
+    acceptance to rise: verification only accepts the target's own tokens) and with soft labels."""
     m = tiny_target("qwen3")
     data, prompts = tiny_data(m)
     vocab = frequent_tokens(data, draft_vocab) if draft_vocab else ()
     d = jaxspec.init_drafter(m, num_layers=1, block_size=8, draft_vocab=vocab)
-    taps = compute_taps(m, data, d.config.target_layer_ids)
-    cfg = TrainConfig(steps=150, batch=4, anchors=8, lr=3e-3, ckpt_every=1000, eval_every=1000)
+    taps, soft = compute_taps(m, data, d.config.target_layer_ids, soft=soft_weight > 0)
+    cfg = TrainConfig(steps=150, batch=4, anchors=8, lr=3e-3, ckpt_every=1000, eval_every=1000,
+                      soft_weight=soft_weight)
     args = lambda dd: (m.module, dd.module, jnp.asarray(taps[:4]), jnp.asarray(data.tokens[:4]),  # noqa: E731
                        jnp.asarray(data.loss_mask[:4]), jnp.full((4, 4), 10), jnp.ones((4, 4), bool),
                        d.config.mask_token_id, 7.0)
     import tempfile
 
-    trained = train(m, d, data, taps, cfg, ckpt_dir=tempfile.mkdtemp())
+    trained = train(m, d, data, taps, cfg, ckpt_dir=tempfile.mkdtemp(), soft=soft)
     loss0, _ = block_loss(*args(d))
     loss1, acc1 = block_loss(*args(trained))
     assert float(loss1) < float(loss0) - 1.0 and float(acc1) > 0.3
@@ -102,7 +142,7 @@ def test_early_stopping_keeps_the_best_evaluation(tmp_path, monkeypatch):
     m = tiny_target("qwen3")
     data, prompts = tiny_data(m)
     d = jaxspec.init_drafter(m, num_layers=1, block_size=8)
-    taps = compute_taps(m, data, d.config.target_layer_ids)
+    taps, _ = compute_taps(m, data, d.config.target_layer_ids)
     scores, seen = iter([1.0, 3.0, 2.0, 2.5, 9.0]), []
 
     def fake_al(model, drafter, heldout, max_new_tokens):
@@ -139,7 +179,7 @@ RUN = textwrap.dedent("""
     m = tiny_target("qwen3")
     data, _ = tiny_data(m)
     d = jaxspec.init_drafter(m, num_layers=1, block_size=8)
-    taps = compute_taps(m, data, d.config.target_layer_ids)
+    taps, _ = compute_taps(m, data, d.config.target_layer_ids)
     cfg = T.TrainConfig(steps=60, batch=4, anchors=8, lr=3e-3, ckpt_every=10, eval_every=1000)
     out = T.train(m, d, data, taps, cfg, ckpt_dir=sys.argv[1], log=lambda s: print(s, flush=True))
     np.save(sys.argv[2], np.concatenate([np.ravel(x) for x in jax.tree.leaves(out.params)]))
@@ -227,6 +267,12 @@ def test_distill_files_train_alongside(tmp_path, capsys):
 
     assert train_main(argv([tmp_path / "a.npz", tmp_path / "b.npz"], "w")) == 0, capsys.readouterr().err
     assert len(np.load(tmp_path / "w" / "data.npz")["tokens"]) == 12
+    assert train_main(argv([tmp_path / "a.npz"], "w") + ["--soft-weight", "0.5"]) == 2  # cached without soft labels
+    assert "without soft labels" in capsys.readouterr().err
+    assert train_main(argv([tmp_path / "a.npz"], "s") + ["--soft-weight", "0.5"]) == 0, capsys.readouterr().err
+    assert np.load(tmp_path / "s" / "soft.npz")["probs"].shape[:2] == (9, 40)
+    assert train_main(argv([tmp_path / "a.npz"], "fresh") + ["--soft-weight", "1.5"]) == 2
+    assert "--soft-weight" in capsys.readouterr().err and not (tmp_path / "fresh").exists()
     (tmp_path / "bad.npz").write_bytes(b"not a zip")
     for bad, msg in [(tmp_path / "gone.npz", "not found"), (tmp_path / "bad.npz", "not a jaxspec training data"),
                      (tmp_path / "a.npz", "not --seq-len")]:

@@ -51,6 +51,9 @@ def parse_args(argv):
     ap.add_argument("--anchors", type=int, default=16)
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--gamma", type=float, default=7.0)
+    ap.add_argument("--soft-weight", type=float, default=0.0,
+                    help="weight of the target's own next-token distributions as labels (soft labels; 0: the "
+                         "data's tokens only, 1: soft only)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ckpt-every", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=250)
@@ -80,13 +83,17 @@ def run(args) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.patience < 0 or args.eval_prompts < 0:
         raise ValueError("--patience and --eval-prompts must be >= 0")
+    if not 0.0 <= args.soft_weight <= 1.0:
+        raise ValueError("--soft-weight must be between 0 and 1")
     if args.draft_vocab < 0:
         raise ValueError("--draft-vocab must be >= 0 (0: the whole vocabulary)")
     if args.no_prompts and not args.text and not args.data:
         raise ValueError("nothing to train on: give --text or --data files, or drop --no-prompts")
     work = Path(args.work)
-    data_file, taps_file = work / "data.npz", work / "taps.npy"
+    data_file, taps_file, soft_file = work / "data.npz", work / "taps.npy", work / "soft.npz"
     cached = data_file.exists() and taps_file.exists()
+    if cached and args.soft_weight and not soft_file.exists():
+        raise ValueError(f"{work} caches taps without soft labels; use a new --work directory for --soft-weight")
     # bad input fails before any write
     prompts = None if cached or args.no_prompts else [p for src in args.prompts for p in read_prompts(src)]
     path = args.model or bundled_model()
@@ -112,13 +119,20 @@ def run(args) -> None:
             parts.append(from_text_files(model, args.text, args.seq_len))
         parts += extra
         data = Dataset(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("tokens", "loss_mask", "lengths")))
-        taps = compute_taps(model, data, taps_ids)
+        taps, soft = compute_taps(model, data, taps_ids, soft=args.soft_weight > 0)
         np.save(work / "taps.tmp.npy", taps)
-        (work / "taps.tmp.npy").rename(taps_file)  # data.npz last: its presence means both are complete
+        (work / "taps.tmp.npy").rename(taps_file)  # data.npz last: its presence means the rest is complete
+        if soft is not None:
+            np.savez(work / "soft.tmp.npz", ids=soft[0], probs=soft[1])
+            (work / "soft.tmp.npz").rename(soft_file)
         taps_spec.write_text(json.dumps(list(taps_ids)))
         data.save(work / "data.tmp.npz")
         (work / "data.tmp.npz").rename(data_file)
     taps = np.load(taps_file, mmap_mode="r")
+    soft = None
+    if args.soft_weight:
+        with np.load(soft_file) as z:
+            soft = (z["ids"], z["probs"])
     print(f"data: {len(data.tokens)} sequences of {data.tokens.shape[1]} tokens, "
           f"{int(data.loss_mask.sum())} training targets", file=sys.stderr)
 
@@ -137,8 +151,8 @@ def run(args) -> None:
     heldout = read_prompts(args.heldout)[-args.eval_prompts:] if args.eval_prompts else None
     cfg = TrainConfig(steps=args.steps, batch=args.batch, anchors=args.anchors, lr=args.lr, gamma=args.gamma,
                       seed=args.seed, ckpt_every=args.ckpt_every, eval_every=args.eval_every,
-                      patience=args.patience)
-    trained = train(model, drafter, data, taps, cfg, ckpt_dir=work / "checkpoints", heldout=heldout,
+                      patience=args.patience, soft_weight=args.soft_weight)
+    trained = train(model, drafter, data, taps, cfg, ckpt_dir=work / "checkpoints", soft=soft, heldout=heldout,
                     log=lambda m: print(m, file=sys.stderr))
     trained.save(args.out, dtype=args.save_dtype)
     print(f"exported drafter to {args.out}", file=sys.stderr)

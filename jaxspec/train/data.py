@@ -139,11 +139,17 @@ def frequent_tokens(data: Dataset, k: int, always=()) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def compute_taps(model: Model, data: Dataset, taps: tuple[int, ...], *, batch: int = 4) -> np.ndarray:
-    """The frozen target's tap features for every sequence: [N, S, len(taps) * H] float32.
+SOFT_K = 8  # target probabilities kept per position for soft labels
 
-    Computed once up front: the target is frozen, so its taps never change during training, and the
-    target forward costs far more than a drafter step.
+
+def compute_taps(model: Model, data: Dataset, taps: tuple[int, ...], *, batch: int = 4,
+                 soft: bool = False) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+    """The frozen target's tap features for every sequence: [N, S, len(taps) * H] float32, and with `soft`
+    its own next-token distribution after every position, as the SOFT_K most likely tokens: ids [N, S, K]
+    int32 and probabilities [N, S, K] float32 (soft labels; see trainer.block_loss).
+
+    Computed once up front: the target is frozen, so neither ever changes during training, and the target
+    forward costs far more than a drafter step (the soft labels add its LM head over every position).
     """
     N, S = data.tokens.shape
 
@@ -151,14 +157,22 @@ def compute_taps(model: Model, data: Dataset, taps: tuple[int, ...], *, batch: i
     def fwd(params, tokens):
         m = nnx.merge(model.graphdef, params)
         B = tokens.shape[0]
-        segment = Segment.causal(jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S)))
-        _, t, _ = m(tokens, segment, m.init_cache(B, S), tap_layers=taps, logits_idx=jnp.zeros((B, 1), jnp.int32))
-        return t
+        pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+        logits, t, _ = m(tokens, Segment.causal(pos), m.init_cache(B, S), tap_layers=taps,
+                         logits_idx=pos if soft else jnp.zeros((B, 1), jnp.int32))
+        if not soft:
+            return t, None
+        probs, ids = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), SOFT_K)
+        return t, (ids, probs)
 
     out = np.zeros((N, S, len(taps) * model.config.hidden_size), np.float32)
+    labels = (np.zeros((N, S, SOFT_K), np.int32), np.zeros((N, S, SOFT_K), np.float32)) if soft else None
     for i in tqdm(range(0, N, batch), desc="target taps", unit="batch"):
         chunk = data.tokens[i : i + batch]
         pad = batch - len(chunk)
-        t = fwd(model.params, jnp.asarray(np.pad(chunk, ((0, pad), (0, 0)))))
+        t, lab = fwd(model.params, jnp.asarray(np.pad(chunk, ((0, pad), (0, 0)))))
         out[i : i + len(chunk)] = np.asarray(t)[: len(chunk)]
-    return out
+        if soft:
+            for dst, src in zip(labels, lab):
+                dst[i : i + len(chunk)] = np.asarray(src)[: len(chunk)]
+    return out, labels

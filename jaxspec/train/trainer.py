@@ -5,6 +5,11 @@ only). A block is `[x_a, MASK x (B-1)]` at positions a..a+B-1 and sees the targe
 a; slot k predicts x_{a+k} with weight exp(-(k-1)/gamma) (early slots matter most: a draft is only
 as good as its prefix). AdamW with warm-up + cosine decay and gradient clipping (optax).
 
+Labels: the data's own next tokens (hard), optionally mixed with the target's next-token distribution
+after x_{a+k-1} (soft, its SOFT_K most likely tokens; `soft_weight`). The soft label carries the target's
+ranking of the alternatives, which a draft tree spends its budget on, and many more bits per position than
+one token: a regulariser for a drafter that would otherwise memorise a small self-distillation set.
+
 Runs are resumable: the batch and anchors of step i are a pure function of (seed, i), and Orbax keeps
 the parameters, optimiser state and step, so a run killed at any point and resumed ends where an
 uninterrupted run ends.
@@ -52,6 +57,7 @@ class TrainConfig:
     eval_every: int = 250
     eval_tokens: int = 64
     patience: int = 0  # evaluations without a new best before stopping; 0: never stop early
+    soft_weight: float = 0.0  # loss = (1 - w) hard CE + w soft CE (needs soft labels)
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -75,8 +81,12 @@ def sample_batch(data: Dataset, step: int, cfg: TrainConfig, block_size: int):
     return seqs, anchors, keep
 
 
-def block_loss(target, drafter, taps, tokens, loss_mask, anchors, keep, mask_token_id, gamma):
-    """Weighted cross-entropy of the drafter's block predictions, and its top-1 accuracy (same weights)."""
+def block_loss(target, drafter, taps, tokens, loss_mask, anchors, keep, mask_token_id, gamma, soft=None,
+               soft_weight=0.0):
+    """Weighted cross-entropy of the drafter's block predictions, and its top-1 accuracy (same weights).
+
+    soft: (ids, probs) [Bs, S, K], the target's top-K next-token distribution after each position; with it
+    the cross-entropy is (1 - soft_weight) * hard + soft_weight * soft."""
     Bs, S = tokens.shape
     Bk = drafter.config.block_size
     k = jnp.arange(Bk)
@@ -89,22 +99,41 @@ def block_loss(target, drafter, taps, tokens, loss_mask, anchors, keep, mask_tok
     logits = drafter.head(target, h[:, :, 1:])  # [Bs, A, Bk-1, K]
     labels = labels[..., 1:]
     vocab = drafter.config.draft_vocab
-    if vocab:  # target ids -> draft-vocabulary rows; -1 for tokens the drafter can never propose
+    # target ids -> draft-vocabulary rows; -1 for tokens the drafter can never propose
+    to_draft = lambda ids: ids  # noqa: E731
+    if vocab:
         t2d = jnp.full((drafter.config.vocab_size,), -1, jnp.int32).at[jnp.asarray(vocab)].set(jnp.arange(len(vocab)))
-        labels = t2d[labels]
+        to_draft = lambda ids: t2d[ids]  # noqa: E731
+    labels = to_draft(labels)
     w = jnp.exp(-(k[1:] - 1) / gamma) * inside[..., 1:] * jnp.take_along_axis(loss_mask[:, None, :], idxc, 2)[..., 1:]
     w = w * keep[..., None]
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(labels, 0))
     acc = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)  # out-of-vocabulary slots count as misses
     w_ce = w * (labels >= 0)
-    return (w_ce * ce).sum() / (w_ce.sum() + 1e-6), (w * acc).sum() / (w.sum() + 1e-6)
+    loss = (w_ce * ce).sum() / (w_ce.sum() + 1e-6)
+    if soft is not None:
+        A = anchors.shape[1]
+        after = idxc[..., 1:].reshape(Bs, -1) - 1  # slot k's distribution: the one after x_{a+k-1}
+        ids, probs = (jnp.take_along_axis(x, after[..., None], axis=1).reshape(Bs, A, Bk - 1, -1) for x in soft)
+        ids = to_draft(ids)
+        q = probs * (ids >= 0)
+        mass = q.sum(-1)
+        q = q / (mass[..., None] + 1e-9)  # over the tokens the drafter can propose
+        logp = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), jnp.maximum(ids, 0), axis=-1)
+        soft_ce = -(q * logp).sum(-1)
+        w_soft = w * (mass > 0)
+        loss = (1 - soft_weight) * loss + soft_weight * (w_soft * soft_ce).sum() / (w_soft.sum() + 1e-6)
+    return loss, (w * acc).sum() / (w.sum() + 1e-6)
 
 
 def train(model: Model, drafter: Drafter, data: Dataset, taps: np.ndarray, cfg: TrainConfig, *, ckpt_dir: Path,
-          heldout: list | None = None, log=print) -> Drafter:
+          soft: tuple[np.ndarray, np.ndarray] | None = None, heldout: list | None = None, log=print) -> Drafter:
     """Train `drafter` for `model`, resuming from the newest checkpoint in ckpt_dir if there is one.
 
-    With `heldout` prompts, returns the parameters of the best held-out evaluation (see the module doc)."""
+    soft: compute_taps' soft labels (needed when cfg.soft_weight > 0). With `heldout` prompts, returns the
+    parameters of the best held-out evaluation (see the module doc)."""
+    if cfg.soft_weight and soft is None:
+        raise ValueError("soft_weight > 0 needs the target's soft labels (compute_taps(..., soft=True))")
     ckpt_dir = Path(ckpt_dir).absolute()
     opt = make_optimizer(cfg)
     params = drafter.params
@@ -127,9 +156,10 @@ def train(model: Model, drafter: Drafter, data: Dataset, taps: np.ndarray, cfg: 
         return bool(heldout) and cfg.patience > 0 and best is not None and done - best["step"] >= cfg.patience * cfg.eval_every
 
     @jax.jit
-    def step_fn(params, opt_state, taps, tokens, loss_mask, anchors, keep):
+    def step_fn(params, opt_state, taps, tokens, loss_mask, anchors, keep, soft):
         def loss_fn(p):
-            return block_loss(nnx.merge(tg, tp), nnx.merge(dg, p), taps, tokens, loss_mask, anchors, keep, mask_id, cfg.gamma)
+            return block_loss(nnx.merge(tg, tp), nnx.merge(dg, p), taps, tokens, loss_mask, anchors, keep, mask_id,
+                              cfg.gamma, soft, cfg.soft_weight)
 
         (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         updates, opt_state = opt.update(grads, opt_state, params)
@@ -140,8 +170,10 @@ def train(model: Model, drafter: Drafter, data: Dataset, taps: np.ndarray, cfg: 
     t0, seen = time.perf_counter(), 0
     for step in ([] if stale(start) else bar):
         seqs, anchors, keep = sample_batch(data, step, cfg, Bk)
+        labels = tuple(jnp.asarray(x[seqs]) for x in soft) if cfg.soft_weight else None
         params, opt_state, loss, acc = step_fn(params, opt_state, jnp.asarray(taps[seqs]), jnp.asarray(data.tokens[seqs]),
-                                               jnp.asarray(data.loss_mask[seqs]), jnp.asarray(anchors), jnp.asarray(keep))
+                                               jnp.asarray(data.loss_mask[seqs]), jnp.asarray(anchors), jnp.asarray(keep),
+                                               labels)
         seen += int(keep.sum()) * (Bk - 1)
         bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{float(acc):.3f}",
                         tok_s=f"{seen / (time.perf_counter() - t0):.0f}", refresh=False)
