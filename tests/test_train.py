@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jaxspec
+from jaxspec.segment import Segment
 from jaxspec.train.data import Dataset, compute_taps, frequent_tokens
 from jaxspec.train.trainer import TrainConfig, block_loss, train
 from test_engine import PROMPT, tiny_target
@@ -45,18 +46,48 @@ def test_train_forward_matches_drafting(vocab):
         np.testing.assert_allclose(np.asarray(dm.head(tgt, h_train[0, j, 1:])), want, atol=1e-4)
 
 
+def ragged_data(model, n=5, S=96):
+    """tiny_data with rows of different lengths and answer starts, some past one TAPS_BUCKET."""
+    data, _ = tiny_data(model, n=n, S=S)
+    for i in range(n):
+        data.lengths[i] = S - 11 * i
+        data.tokens[i, data.lengths[i] :] = 0
+        data.loss_mask[i] = (np.arange(S) >= 8 + 4 * i) & (np.arange(S) < data.lengths[i])
+    return data
+
+
+def test_taps_are_a_full_forwards():
+    """Rows sorted by length and cut to their batch's longest: the taps of a plain full-length forward up to
+    each row's length, zero past it."""
+    m = tiny_target("qwen3")
+    data = ragged_data(m)
+    taps, _ = compute_taps(m, data, (0, 1), batch=2)  # 5 rows: the last batch is padded
+    N, S = data.tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(S), (N, S))
+    _, want, _ = m.module(jnp.asarray(data.tokens), Segment.causal(pos), m.module.init_cache(N, S), tap_layers=(0, 1),
+                          logits_idx=jnp.zeros((N, 1), jnp.int32))
+    inside = np.arange(S) < data.lengths[:, None]  # [N, S]
+    want = np.asarray(want)[inside]  # hidden states reach ~200: float32 noise from other shapes is ~1e-3
+    np.testing.assert_allclose(taps[inside], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert not taps[~inside].any()
+
+
 def test_soft_labels_are_the_targets_next_token_distribution():
     """compute_taps' soft labels at position t: the SOFT_K most likely tokens after x_0..x_t and their
-    probabilities, as a plain full-sequence forward (model.logits) gives them."""
+    probabilities, as a plain full-sequence forward (model.logits) gives them, wherever x_{t+1} is a training
+    target; zero elsewhere."""
     from jaxspec.train.data import SOFT_K
 
     m = tiny_target("qwen3")
-    data, _ = tiny_data(m, n=5)
-    _, (ids, probs) = compute_taps(m, data, (1,), soft=True, batch=2)  # 5 rows: the last batch is padded
-    p = np.asarray(jax.nn.softmax(m.logits(jnp.asarray(data.tokens)), axis=-1))  # [N, S, V]
+    data = ragged_data(m)
+    _, (ids, probs) = compute_taps(m, data, (1,), soft=True, batch=2)
+    need = np.zeros_like(data.loss_mask)
+    need[:, :-1] = data.loss_mask[:, 1:]
+    p = np.asarray(jax.nn.softmax(m.logits(jnp.asarray(data.tokens)), axis=-1))[need]  # [M, V]
     want = np.sort(p, axis=-1)[..., ::-1][..., :SOFT_K]
-    np.testing.assert_allclose(probs, want, rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(np.take_along_axis(p, ids, -1), probs, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(probs[need], want, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(np.take_along_axis(p, ids[need], -1), probs[need], rtol=1e-4, atol=1e-6)
+    assert not probs[~need].any() and not ids[~need].any()
 
 
 @pytest.mark.parametrize("vocab", [(), tuple(range(0, 128, 2))])

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from jaxspec.api import encode_prompt
+from jaxspec.api import encode_prompt, round_up
 from jaxspec.batching import generate_many
 from jaxspec.model import Model
 from jaxspec.segment import Segment
@@ -140,39 +140,57 @@ def frequent_tokens(data: Dataset, k: int, always=()) -> tuple[int, ...]:
 
 
 SOFT_K = 8  # target probabilities kept per position for soft labels
+TAPS_BUCKET = 64  # compute_taps rounds sequence lengths and answer spans to this
 
 
 def compute_taps(model: Model, data: Dataset, taps: tuple[int, ...], *, batch: int = 4,
                  soft: bool = False) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
-    """The frozen target's tap features for every sequence: [N, S, len(taps) * H] float32, and with `soft`
-    its own next-token distribution after every position, as the SOFT_K most likely tokens: ids [N, S, K]
-    int32 and probabilities [N, S, K] float32 (soft labels; see trainer.block_loss).
+    """The frozen target's tap features for every sequence: [N, S, len(taps) * H] float32 (zero past each
+    row's length), and with `soft` its own next-token distribution after every position t whose next token
+    x_{t+1} is a training target, as the SOFT_K most likely tokens: ids [N, S, K] int32 and probabilities
+    [N, S, K] float32 (soft labels, see trainer.block_loss; zero at the positions no loss reads).
 
     Computed once up front: the target is frozen, so neither ever changes during training, and the target
-    forward costs far more than a drafter step (the soft labels add its LM head over every position).
+    forward costs far more than a drafter step. Two cuts keep it cheap: rows run in order of length, each
+    batch cut to its longest row (causal attention: a position's taps never depend on what follows it), and
+    the LM head runs only over each row's answer span (a third of the positions are prompt or padding).
+    Both round to TAPS_BUCKET so that a handful of shapes compile.
     """
     N, S = data.tokens.shape
+    need = np.zeros((N, S), bool)
+    need[:, :-1] = data.loss_mask[:, 1:]  # the distribution after x_t is a label iff x_{t+1} is a target
+    first = need.argmax(1)  # [N] first labelled position (0 for a row without any)
+    span = np.where(need.any(1), S - need[:, ::-1].argmax(1) - first, 1)  # [N] labelled positions' extent
 
     @jax.jit
-    def fwd(params, tokens):
+    def fwd(params, tokens, idx):  # tokens [B, L], idx [B, W] positions to run the LM head at
         m = nnx.merge(model.graphdef, params)
-        B = tokens.shape[0]
-        pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-        logits, t, _ = m(tokens, Segment.causal(pos), m.init_cache(B, S), tap_layers=taps,
-                         logits_idx=pos if soft else jnp.zeros((B, 1), jnp.int32))
+        B, L = tokens.shape
+        pos = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+        logits, t, _ = m(tokens, Segment.causal(pos), m.init_cache(B, L), tap_layers=taps, logits_idx=idx)
         if not soft:
             return t, None
-        probs, ids = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), SOFT_K)
-        return t, (ids, probs)
+        logits = logits.astype(jnp.float32)  # [B, W, V]
+        top, ids = jax.lax.top_k(logits, SOFT_K)
+        return t, (ids, jnp.exp(top - jax.nn.logsumexp(logits, axis=-1, keepdims=True)))
 
     out = np.zeros((N, S, len(taps) * model.config.hidden_size), np.float32)
     labels = (np.zeros((N, S, SOFT_K), np.int32), np.zeros((N, S, SOFT_K), np.float32)) if soft else None
+    order = np.argsort(data.lengths, kind="stable")
     for i in tqdm(range(0, N, batch), desc="target taps", unit="batch"):
-        chunk = data.tokens[i : i + batch]
-        pad = batch - len(chunk)
-        t, lab = fwd(model.params, jnp.asarray(np.pad(chunk, ((0, pad), (0, 0)))))
-        out[i : i + len(chunk)] = np.asarray(t)[: len(chunk)]
+        rows = order[i : i + batch]  # [n]
+        L = min(S, round_up(int(data.lengths[rows].max()), TAPS_BUCKET))
+        W = min(L, round_up(int(span[rows].max()), TAPS_BUCKET)) if soft else 1
+        idx = np.minimum(first[rows, None] + np.arange(W), L - 1)  # [n, W]
+        pad = ((0, batch - len(rows)), (0, 0))
+        t, lab = fwd(model.params, jnp.asarray(np.pad(data.tokens[rows, :L], pad)), jnp.asarray(np.pad(idx, pad)))
+        out[rows, :L] = np.asarray(t)[: len(rows)]
+        for r in rows:  # a shorter row's tail saw padding
+            out[r, data.lengths[r] :] = 0
         if soft:
             for dst, src in zip(labels, lab):
-                dst[i : i + len(chunk)] = np.asarray(src)[: len(chunk)]
+                dst[rows[:, None], idx] = np.asarray(src)[: len(rows)]
+    if soft:  # positions the window covered but no loss reads are zeroed, so the labels say what they are for
+        for x in labels:
+            x[~need] = 0
     return out, labels
