@@ -1,17 +1,32 @@
 #!/usr/bin/env bash
-# Reproduce the bundled SmolLM2-135M-Instruct drafter from scratch (jaxspec/drafters/smollm2-135m-instruct)
-# and benchmark it. On the 2-core development VM: self-distillation ~35 min, taps ~11 min, training ~45 min.
-# Rerunning resumes: the data cache and Orbax checkpoints live in $WORK.
-#   bash scripts/train_smollm2_drafter.sh [WORK_DIR]
+# Reproduce the bundled SmolLM2-135M-Instruct drafter (jaxspec/drafters/smollm2-135m-instruct) and benchmark it.
+#   bash scripts/train_smollm2_drafter.sh [WORK_DIR] [--regenerate]
+# By default it trains on the self-distillation data kept in data/smollm2-135m-instruct (5178 answers of
+# SmolLM2 to the `train`, `selfinstruct` and `selfinstruct2` prompts). --regenerate first makes that data
+# again into WORK_DIR/data with the same commands (about 2 hours on the 2-core VM, minutes on a GPU).
+# On the 2-core VM: taps + soft labels ~50 min, training ~65 min. Rerunning resumes: the taps cache and
+# Orbax checkpoints live in WORK_DIR.
 set -euo pipefail
 WORK=${1:-runs/smollm2}
 OUT=jaxspec/drafters/smollm2-135m-instruct
+DATA=data/smollm2-135m-instruct
 
-# 400 written + 1046 self-instruct prompts x 2 answers (1 greedy + 1 sampled at T=0.8), 8192-token draft
-# vocabulary, 2 layers reading target layers 1, 14, 27; blocks of 8 (depths past 7 are never reached on CPU
-# budgets). The parameters of the best held-out evaluation (the last 8 held-out prompts) are exported.
-python -m jaxspec.train --out "$OUT" --work "$WORK" --prompts train selfinstruct --samples 2 --gen-batch 64 \
-    --num-layers 2 --block-size 8 --gamma 4 --draft-vocab 8192 \
+if [[ "${2:-}" == "--regenerate" ]]; then
+    DATA="$WORK/data"
+    mkdir -p "$DATA"
+    distill() { [[ -f "$DATA/$1.npz" ]] || python -m jaxspec.train.distill --batch 64 --out "$DATA/$1.npz" "${@:2}"; }
+    distill train.s0-1 --prompts train --samples 2
+    distill selfinstruct.s0-1 --prompts selfinstruct --samples 2
+    distill train.s2 --prompts train --first-sample 2 --samples 1
+    distill selfinstruct.s2 --prompts selfinstruct --first-sample 2 --samples 1
+    distill selfinstruct2.s0-3 --prompts selfinstruct2 --samples 4
+fi
+
+# 2 layers reading target layers 1, 14, 27, blocks of 8 (depths past 7 are never reached on CPU budgets),
+# an 8192-token draft vocabulary; the loss mixes the data's tokens and the target's own top-8 distribution
+# (--soft-weight 0.5). The parameters of the best held-out evaluation (the last 8 held-out prompts) are exported.
+python -m jaxspec.train --out "$OUT" --work "$WORK" --no-prompts --data "$DATA"/*.npz \
+    --num-layers 2 --block-size 8 --gamma 4 --draft-vocab 8192 --soft-weight 0.5 \
     --steps 2000 --batch 8 --anchors 32 --lr 6e-4 \
     --eval-every 500 --eval-prompts 8 --patience 2 --ckpt-every 250 --save-dtype bfloat16
 

@@ -153,8 +153,8 @@ def compute_taps(model: Model, data: Dataset, taps: tuple[int, ...], *, batch: i
     Computed once up front: the target is frozen, so neither ever changes during training, and the target
     forward costs far more than a drafter step. Two cuts keep it cheap: rows run in order of length, each
     batch cut to its longest row (causal attention: a position's taps never depend on what follows it), and
-    the LM head runs only over each row's answer span (a third of the positions are prompt or padding).
-    Both round to TAPS_BUCKET so that a handful of shapes compile.
+    the LM head runs only over each row's answer span (over half of the SmolLM2 data's positions are prompt
+    or padding). Both round to TAPS_BUCKET so that a handful of shapes compile.
     """
     N, S = data.tokens.shape
     need = np.zeros((N, S), bool)
