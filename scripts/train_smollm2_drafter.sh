@@ -25,7 +25,9 @@ fi
 # 2 layers reading target layers 1, 14, 27, blocks of 8 (depths past 7 are never reached on CPU budgets),
 # an 8192-token draft vocabulary; the loss mixes the data's tokens and the target's own top-8 distribution
 # (--soft-weight 0.5). The parameters of the best held-out evaluation (the last 8 held-out prompts) are exported.
-python -m jaxspec.train --out "$OUT" --work "$WORK" --no-prompts --data "$DATA"/*.npz \
+# The files named are the shipped drafter's data; parts made since are listed in $DATA's README.
+python -m jaxspec.train --out "$OUT" --work "$WORK" --no-prompts \
+    --data "$DATA"/{train.s0-1,selfinstruct.s0-1,train.s2,selfinstruct.s2,selfinstruct2.s0-3}.npz \
     --num-layers 2 --block-size 8 --gamma 4 --draft-vocab 8192 --soft-weight 0.5 \
     --steps 2000 --batch 8 --anchors 32 --lr 6e-4 \
     --eval-every 500 --eval-prompts 8 --patience 2 --ckpt-every 250 --save-dtype bfloat16

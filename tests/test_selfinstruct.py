@@ -71,11 +71,12 @@ def test_self_instruct_filters(monkeypatch):
 
 
 def test_shipped_sets_are_clear_of_heldout_and_of_each_other():
-    """Every shipped self-instruct prompt passes the near-copy check against every held-out prompt, and the
-    second set (the same run resumed) repeats neither the first nor the written training prompts."""
+    """Every shipped self-instruct prompt passes the near-copy check against every held-out prompt, and each
+    later set (the same run resumed) repeats neither the sets before it nor the written training prompts."""
     held = Index(read_prompts("heldout"))
-    first, second = read_prompt_records("selfinstruct"), read_prompt_records("selfinstruct2")
-    assert len(first) >= 1000 and len(second) >= 200
-    assert not [r["prompt"] for r in first + second if held.has_near_copy(shingles(r["prompt"]))]
-    earlier = Index(read_prompts("train") + [r["prompt"] for r in first])
-    assert not [r["prompt"] for r in second if earlier.has_near_copy(shingles(r["prompt"]))]
+    sets = [read_prompt_records(s) for s in ("selfinstruct", "selfinstruct2", "selfinstruct3")]
+    assert len(sets[0]) >= 1000 and len(sets[1]) >= 200 and len(sets[2]) >= 900
+    assert not [r["prompt"] for s in sets for r in s if held.has_near_copy(shingles(r["prompt"]))]
+    for i in (1, 2):
+        earlier = Index(read_prompts("train") + [r["prompt"] for s in sets[:i] for r in s])
+        assert not [r["prompt"] for r in sets[i] if earlier.has_near_copy(shingles(r["prompt"]))]

