@@ -25,7 +25,7 @@ fi
 # 2 layers reading target layers 1, 14, 27, blocks of 8 (depths past 7 are never reached on CPU budgets),
 # an 8192-token draft vocabulary; the loss mixes the data's tokens and the target's own top-8 distribution
 # (--soft-weight 0.5). The parameters of the best held-out evaluation (the last 8 held-out prompts) are exported.
-# The files named are the shipped drafter's data; parts made since are listed in $DATA's README.
+# The files named are the shipped drafter's data: a part added to $DATA later is not read until named here.
 python -m jaxspec.train --out "$OUT" --work "$WORK" --no-prompts \
     --data "$DATA"/{train.s0-1,selfinstruct.s0-1,train.s2,selfinstruct.s2,selfinstruct2.s0-3}.npz \
     --num-layers 2 --block-size 8 --gamma 4 --draft-vocab 8192 --soft-weight 0.5 \
