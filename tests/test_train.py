@@ -343,3 +343,22 @@ def test_kept_data_files_are_whole():
         assert d.tokens.shape[1] == recipe["seq_len"] and d.tokens.min() >= 0, f
         first = d.loss_mask.argmax(1)  # the answer starts after a non-empty prompt and runs to the row's end
         assert (first > 0).all() and (d.loss_mask.sum(1) == d.lengths - first).all(), f
+
+
+def test_kept_data_table_matches_the_files():
+    """The data README's table (file, answers, answer tokens, total) says what the kept files hold."""
+    import re
+    from pathlib import Path
+
+    from jaxspec.train.data import Dataset
+
+    for d in sorted(p for p in (Path(__file__).parents[1] / "data").iterdir() if p.is_dir()):
+        rows = re.findall(r"^\| `(\S+\.npz)` \|[^|]*\| \S+ \((\d+)\) \| ([\d ]+) \|", (d / "README.md").read_text(), re.M)
+        assert sorted(f for f, _, _ in rows) == sorted(p.name for p in d.glob("*.npz")), d
+        total = [0, 0]
+        for f, answers, tokens in rows:
+            data = Dataset.load(d / f)
+            have = (len(data.tokens), int(data.loss_mask.sum()))
+            assert have == (int(answers), int(tokens.replace(" ", ""))), (f, have)
+            total = [total[0] + have[0], total[1] + have[1]]
+        assert f"| all | | {total[0]} | {total[1]:,} |".replace(",", " ") in (d / "README.md").read_text(), total
