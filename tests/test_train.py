@@ -328,37 +328,29 @@ def test_distill_files_train_alongside(tmp_path, capsys):
     assert ".npz" in capsys.readouterr().err
 
 
-def test_kept_data_files_are_whole():
-    """Every kept self-distillation part loads, says how it was made, and holds answers after prompts."""
+def test_kept_data_files_are_whole_and_listed():
+    """Every kept self-distillation part loads, says how it was made, and holds answers after prompts; the data
+    README's table (file, answers, answer tokens, total) says what each file holds."""
     import json
-    from pathlib import Path
-
-    from jaxspec.train.data import Dataset
-
-    files = sorted((Path(__file__).parents[1] / "data").glob("*/*.npz"))
-    assert files
-    for f in files:
-        d = Dataset.load(f)
-        recipe = json.loads(str(np.load(f)["recipe"]))
-        assert d.tokens.shape[1] == recipe["seq_len"] and d.tokens.min() >= 0, f
-        first = d.loss_mask.argmax(1)  # the answer starts after a non-empty prompt and runs to the row's end
-        assert (first > 0).all() and (d.loss_mask.sum(1) == d.lengths - first).all(), f
-
-
-def test_kept_data_table_matches_the_files():
-    """The data README's table (file, answers, answer tokens, total) says what the kept files hold."""
     import re
     from pathlib import Path
 
     from jaxspec.train.data import Dataset
 
-    for d in sorted(p for p in (Path(__file__).parents[1] / "data").iterdir() if p.is_dir()):
-        rows = re.findall(r"^\| `(\S+\.npz)` \|[^|]*\| \S+ \((\d+)\) \| ([\d ]+) \|", (d / "README.md").read_text(), re.M)
-        assert sorted(f for f, _, _ in rows) == sorted(p.name for p in d.glob("*.npz")), d
+    dirs = sorted(p for p in (Path(__file__).parents[1] / "data").iterdir() if p.is_dir())
+    assert dirs
+    for d in dirs:
+        readme = (d / "README.md").read_text()
+        rows = re.findall(r"^\| `(\S+\.npz)` \|[^|]*\| \S+ \((\d+)\) \| ([\d ]+) \|", readme, re.M)
+        assert rows and sorted(f for f, _, _ in rows) == sorted(p.name for p in d.glob("*.npz")), d
         total = [0, 0]
         for f, answers, tokens in rows:
             data = Dataset.load(d / f)
+            recipe = json.loads(str(np.load(d / f)["recipe"]))
+            assert data.tokens.shape[1] == recipe["seq_len"] and data.tokens.min() >= 0, f
+            first = data.loss_mask.argmax(1)  # the answer starts after a non-empty prompt and runs to the row's end
+            assert (first > 0).all() and (data.loss_mask.sum(1) == data.lengths - first).all(), f
             have = (len(data.tokens), int(data.loss_mask.sum()))
             assert have == (int(answers), int(tokens.replace(" ", ""))), (f, have)
             total = [total[0] + have[0], total[1] + have[1]]
-        assert f"| all | | {total[0]} | {total[1]:,} |".replace(",", " ") in (d / "README.md").read_text(), total
+        assert f"| all | | {total[0]} | {total[1]:,} |".replace(",", " ") in readme, total
