@@ -74,9 +74,9 @@ def test_shipped_sets_are_clear_of_heldout_and_of_each_other():
     """Every shipped self-instruct prompt passes the near-copy check against every held-out prompt, and each
     later set (the same run resumed) repeats neither the sets before it nor the written training prompts."""
     held = Index(read_prompts("heldout"))
-    sets = [read_prompt_records(s) for s in ("selfinstruct", "selfinstruct2", "selfinstruct3")]
-    assert len(sets[0]) >= 1000 and len(sets[1]) >= 200 and len(sets[2]) >= 900
+    sets = [read_prompt_records(s) for s in ("selfinstruct", "selfinstruct2", "selfinstruct3", "selfinstruct4")]
+    assert [len(s) for s in sets] == [1046, 210, 1000, 527]
     assert not [r["prompt"] for s in sets for r in s if held.has_near_copy(shingles(r["prompt"]))]
-    for i in (1, 2):
+    for i in range(1, len(sets)):
         earlier = Index(read_prompts("train") + [r["prompt"] for s in sets[:i] for r in s])
         assert not [r["prompt"] for r in sets[i] if earlier.has_near_copy(shingles(r["prompt"]))]
