@@ -7,7 +7,7 @@ import pytest
 
 import jaxspec.api
 from jaxspec.train import selfinstruct
-from jaxspec.train.data import read_prompt_records, read_prompts
+from jaxspec.train.data import SHIPPED, read_prompt_records, read_prompts
 from jaxspec.train.selfinstruct import Index, clean, near_copy, shingles
 
 HELD = "A bakery sells muffins for $3 each. How much do 7 muffins cost?"
@@ -74,7 +74,7 @@ def test_shipped_sets_are_clear_of_heldout_and_of_each_other():
     """Every shipped self-instruct prompt passes the near-copy check against every held-out prompt, and each
     later set (the same run resumed) repeats neither the sets before it nor the written training prompts."""
     held = Index(read_prompts("heldout"))
-    sets = [read_prompt_records(s) for s in ("selfinstruct", "selfinstruct2", "selfinstruct3", "selfinstruct4")]
+    sets = [read_prompt_records(s) for s in SHIPPED if s.startswith("selfinstruct")]  # in the order they were made
     assert [len(s) for s in sets] == [1046, 210, 1000, 527]
     assert not [r["prompt"] for s in sets for r in s if held.has_near_copy(shingles(r["prompt"]))]
     for i in range(1, len(sets)):
