@@ -56,13 +56,19 @@ def ragged_data(model, n=5, S=96):
     return data
 
 
-def test_taps_are_a_full_forwards():
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_taps_are_a_full_forwards(on_disk, tmp_path):
     """Rows sorted by length and cut to their batch's longest: the taps of a plain full-length forward up to
-    each row's length, zero past it."""
+    each row's length, zero past it; also when filling a given array on disk that starts out as garbage."""
     m = tiny_target("qwen3")
     data = ragged_data(m)
-    taps, _ = compute_taps(m, data, (0, 1), batch=2)  # 5 rows: the last batch is padded
     N, S = data.tokens.shape
+    out = None
+    if on_disk:
+        out = np.lib.format.open_memmap(tmp_path / "taps.npy", mode="w+", dtype=np.float32, shape=(N, S, 2 * m.config.hidden_size))
+        out[:] = np.nan
+    taps, _ = compute_taps(m, data, (0, 1), batch=2, out=out)  # 5 rows: the last batch is padded
+    assert out is None or taps is out
     pos = jnp.broadcast_to(jnp.arange(S), (N, S))
     _, want, _ = m.module(jnp.asarray(data.tokens), Segment.causal(pos), m.module.init_cache(N, S), tap_layers=(0, 1),
                           logits_idx=jnp.zeros((N, 1), jnp.int32))

@@ -123,8 +123,11 @@ def run(args) -> None:
             parts.append(from_text_files(model, args.text, args.seq_len))
         parts += extra
         data = Dataset(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("tokens", "loss_mask", "lengths")))
-        taps, soft = compute_taps(model, data, taps_ids, soft=args.soft_weight > 0)
-        np.save(work / "taps.tmp.npy", taps)
+        shape = (*data.tokens.shape, len(taps_ids) * model.config.hidden_size)
+        taps = np.lib.format.open_memmap(work / "taps.tmp.npy", mode="w+", dtype=np.float32, shape=shape)
+        taps, soft = compute_taps(model, data, taps_ids, soft=args.soft_weight > 0, out=taps)  # on disk, not in memory
+        taps.flush()
+        del taps
         (work / "taps.tmp.npy").rename(taps_file)  # data.npz last: its presence means the rest is complete
         if soft is not None:
             np.savez(work / "soft.tmp.npz", ids=soft[0], probs=soft[1])

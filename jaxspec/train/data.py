@@ -143,8 +143,8 @@ SOFT_K = 8  # target probabilities kept per position for soft labels
 TAPS_BUCKET = 64  # compute_taps rounds sequence lengths and answer spans to this
 
 
-def compute_taps(model: Model, data: Dataset, taps: tuple[int, ...], *, batch: int = 4,
-                 soft: bool = False) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+def compute_taps(model: Model, data: Dataset, taps: tuple[int, ...], *, batch: int = 4, soft: bool = False,
+                 out: np.ndarray | None = None) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
     """The frozen target's tap features for every sequence: [N, S, len(taps) * H] float32 (zero past each
     row's length), and with `soft` its own next-token distribution after every position t whose next token
     x_{t+1} is a training target, as the SOFT_K most likely tokens: ids [N, S, K] int32 and probabilities
@@ -174,7 +174,8 @@ def compute_taps(model: Model, data: Dataset, taps: tuple[int, ...], *, batch: i
         top, ids = jax.lax.top_k(logits, SOFT_K)
         return t, (ids, jnp.exp(top - jax.nn.logsumexp(logits, axis=-1, keepdims=True)))
 
-    out = np.zeros((N, S, len(taps) * model.config.hidden_size), np.float32)
+    if out is None:
+        out = np.zeros((N, S, len(taps) * model.config.hidden_size), np.float32)
     labels = (np.zeros((N, S, SOFT_K), np.int32), np.zeros((N, S, SOFT_K), np.float32)) if soft else None
     order = np.argsort(data.lengths, kind="stable")
     for i in tqdm(range(0, N, batch), desc="target taps", unit="batch"):
