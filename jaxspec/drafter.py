@@ -154,9 +154,11 @@ def tap_layers(model: Model, num_taps: int) -> tuple[int, ...]:
 
 
 def init_drafter(model: Model, num_layers: int = 1, block_size: int = 16, seed: int = 0, *,
-                 num_taps: int | None = None, mask_token_id: int | None = None, draft_vocab=()) -> Drafter:
+                 num_taps: int | None = None, target_layer_ids=None, mask_token_id: int | None = None,
+                 draft_vocab=()) -> Drafter:
     """A randomly initialised drafter that fits `model` (tests, and the starting point of training).
 
+    target_layer_ids: the target layers it reads; None: `num_taps` (default `num_layers`) of DFlash's placement.
     draft_vocab: the token ids it may propose (e.g. `jaxspec.train.data.frequent_tokens`); () for all.
     """
     t = model.config
@@ -167,7 +169,8 @@ def init_drafter(model: Model, num_layers: int = 1, block_size: int = 16, seed: 
         vocab_size=t.vocab_size,
         block_size=block_size,
         mask_token_id=default_mask_token(model) if mask_token_id is None else mask_token_id,
-        target_layer_ids=tap_layers(model, num_taps or num_layers),
+        target_layer_ids=(tap_layers(model, num_taps or num_layers) if target_layer_ids is None
+                          else tuple(int(i) for i in target_layer_ids)),
         num_target_layers=t.num_layers,
         layer_types=("full_attention",) * num_layers,
         draft_vocab=tuple(sorted(int(i) for i in draft_vocab)),

@@ -312,9 +312,16 @@ def test_distill_files_train_alongside(tmp_path, capsys):
     jax.tree.map(np.testing.assert_array_equal, jaxspec.load_drafter(tmp_path / "out", model).params,
                  jaxspec.load_drafter(out2, model).params)
     for flags, msg in [(["--block-size", "8"], "pass --block-size 4"), (["--num-taps", "2"], "pass --num-taps 1"),
-                       ([], "no config.json")]:
+                       (["--tap-layers", "0"], "pass --tap-layers 1"), ([], "no config.json")]:
         init = str(tmp_path / ("out" if flags else "gone"))
         assert train_main(argv([tmp_path / "b.npz"], "fresh") + flags + ["--init", init]) == 2
+        assert msg in capsys.readouterr().err and not (tmp_path / "fresh").exists()
+    # --tap-layers picks the target layers by hand: they are what the cache holds and what the export reads
+    assert train_main(argv([tmp_path / "b.npz"], "t") + ["--tap-layers", "0", "--out", str(tmp_path / "t0")]) == 0
+    assert jaxspec.load_drafter(tmp_path / "t0", model).config.target_layer_ids == (0,)
+    assert json.loads((tmp_path / "t" / "taps.json").read_text()) == [0]
+    for taps, msg in [("0,2", "out of range"), ("0;1", "comma-separated")]:
+        assert train_main(argv([tmp_path / "b.npz"], "fresh") + ["--tap-layers", taps]) == 2
         assert msg in capsys.readouterr().err and not (tmp_path / "fresh").exists()
     assert train_main(argv([tmp_path / "a.npz"], "w") + ["--soft-weight", "0.5"]) == 2  # cached without soft labels
     assert "without soft labels" in capsys.readouterr().err

@@ -43,7 +43,8 @@ def parse_args(argv):
                     help="stop after N evaluations without a better held-out acceptance (0: run every step)")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--num-layers", type=int, default=2)
-    ap.add_argument("--num-taps", type=int, default=3)
+    ap.add_argument("--num-taps", type=int, default=3, help="target layers the drafter reads, spread as DFlash does")
+    ap.add_argument("--tap-layers", help="the target layers the drafter reads, e.g. 1,14,29 (overrides --num-taps)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--init", help="start from this exported drafter's weights (same target and shape) to go on "
                     "training it on new data, rather than from random ones")
@@ -76,7 +77,6 @@ def main(argv=None) -> int:
 
 def run(args) -> None:
     import jaxspec
-    from jaxspec.drafter import tap_layers
     from jaxspec.generate import bundled_model
     from jaxspec.train.data import Dataset, compute_taps, frequent_tokens, from_text_files, read_prompts, self_distill
     from jaxspec.train.trainer import TrainConfig, train
@@ -90,6 +90,12 @@ def run(args) -> None:
         raise ValueError("--soft-weight must be between 0 and 1")
     if args.draft_vocab < 0:
         raise ValueError("--draft-vocab must be >= 0 (0: the whole vocabulary)")
+    if args.tap_layers is not None:
+        try:
+            args.tap_layers = tuple(int(i) for i in args.tap_layers.split(","))
+        except ValueError:
+            raise ValueError(f"--tap-layers {args.tap_layers!r} is not a comma-separated list of layer numbers") from None
+        args.num_taps = len(args.tap_layers)
     if args.no_prompts and not args.text and not args.data:
         raise ValueError("nothing to train on: give --text or --data files, or drop --no-prompts")
     work = Path(args.work)
@@ -105,8 +111,8 @@ def run(args) -> None:
     model = jaxspec.load(path)
     start = load_start(args, model) if args.init else None
     extra = [] if cached else [load_data(f, args.seq_len, model.config.vocab_size) for f in args.data]
+    taps_ids = read_tap_layers(args, model)
     work.mkdir(parents=True, exist_ok=True)
-    taps_ids = tap_layers(model, args.num_taps)
     taps_spec = work / "taps.json"  # the cached taps are only valid for the same tap layers
     if cached and taps_spec.exists() and json.loads(taps_spec.read_text()) != list(taps_ids):
         raise ValueError(f"{work} caches taps of layers {json.loads(taps_spec.read_text())}, not {list(taps_ids)}; "
@@ -149,7 +155,7 @@ def run(args) -> None:
         covered = np.isin(data.tokens[data.loss_mask], vocab).mean()
         print(f"draft vocabulary: {len(vocab)} tokens, {covered:.2%} of the training targets", file=sys.stderr)
     drafter = jaxspec.init_drafter(model, num_layers=args.num_layers, block_size=args.block_size, seed=args.seed,
-                                   num_taps=args.num_taps, draft_vocab=vocab,
+                                   target_layer_ids=taps_ids, draft_vocab=vocab,
                                    mask_token_id=start.config.mask_token_id if start else None)
     if start is not None:  # the draft head is the target's, so a drafter's weights fit any draft vocabulary
         drafter = dataclasses.replace(drafter, params=start.params)
@@ -173,7 +179,6 @@ def load_start(args, model):
     """The --init drafter, checked against the shape this run's flags build: a run that goes on training an
     exported drafter on new data (where a CPU cannot afford the taps of all the data at once)."""
     import jaxspec
-    from jaxspec.drafter import tap_layers
 
     start = jaxspec.load_drafter(args.init, model)  # missing, corrupt or made for another target: a clear error
     c = start.config
@@ -181,10 +186,23 @@ def load_start(args, model):
     want = {"--num-layers": args.num_layers, "--block-size": args.block_size, "--num-taps": args.num_taps}
     if bad := [f"{k} {have[k]}" for k in have if have[k] != want[k]]:
         raise ValueError(f"--init {args.init} has another shape than this run's flags; pass {' '.join(bad)}")
-    if tuple(c.target_layer_ids) != tap_layers(model, args.num_taps):
+    if tuple(c.target_layer_ids) != read_tap_layers(args, model):
         raise ValueError(f"--init {args.init} reads target layers {list(c.target_layer_ids)}, not the "
-                         f"{list(tap_layers(model, args.num_taps))} this trainer taps; train it from scratch")
+                         f"{list(read_tap_layers(args, model))} this run taps; pass --tap-layers "
+                         f"{','.join(map(str, c.target_layer_ids))} or train from scratch")
     return start
+
+
+def read_tap_layers(args, model) -> tuple[int, ...]:
+    """The target layers this run taps: --tap-layers, checked against the target, else --num-taps spread."""
+    from jaxspec.drafter import tap_layers
+
+    if args.tap_layers is None:
+        return tap_layers(model, args.num_taps)
+    n = model.config.num_layers
+    if bad := [i for i in args.tap_layers if not 0 <= i < n]:
+        raise ValueError(f"--tap-layers {bad} out of range: the target has layers 0 to {n - 1}")
+    return args.tap_layers
 
 
 def load_data(path, seq_len: int, vocab_size: int):
