@@ -34,6 +34,9 @@ MLA = dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate
            max_position_embeddings=512, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
                                                          "original_max_position_embeddings": 128})
 PREFIX, NODES, ATOL = 7, 10, 2e-5
+# A tree verify against a causal prefill: different summation orders, which the hybrid targets' recurrent
+# layers carry into later layers' K/V (3e-5 seen on an AMD EPYC VM); a wrong commit moves rows by 1e-1 or more.
+TREE_ATOL = 1e-4
 # The next forward's logits: float32 summation order alone moves them by up to 5e-5 on the hybrid targets,
 # whose gated norms rescale a small recurrent output (a wrong commit moves them by 1e-2 or more).
 LOGIT_ATOL = 1e-4
@@ -107,11 +110,11 @@ def committed_view(cache):
     return out
 
 
-def assert_same_cache(got, want):
+def assert_same_cache(got, want, atol=ATOL):
     assert int(got.length) == int(want.length)
     np.testing.assert_array_equal(np.asarray(got.start), np.asarray(want.start))
     for a, b in zip(committed_view(got), committed_view(want), strict=True):
-        np.testing.assert_allclose(a, b, rtol=0, atol=ATOL)
+        np.testing.assert_allclose(a, b, rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("case", ["root_only", "deepest", "random", "at_cache_end"])
@@ -140,7 +143,7 @@ def test_verify_commit_equals_causal_prefill(target, case):
     padded_path[:n] = path
     committed = pending.commit(jnp.asarray(padded_path), jnp.int32(n))
     want = prefill(target, np.r_[prefix, nodes[path]], max_len)
-    assert_same_cache(committed, want)
+    assert_same_cache(committed, want, atol=TREE_ATOL)
 
     nxt = rng.integers(0, V, 2)  # the next forward sees the same past
     pos = jnp.asarray(PREFIX + n + np.arange(2), jnp.int32)[None]
@@ -163,7 +166,7 @@ def test_pallas_commit_conforms(target):
     padded_path = np.zeros(NODES, np.int32)
     padded_path[: len(path)] = path
     committed = pending.commit(jnp.asarray(padded_path), jnp.int32(len(path)), impl="pallas")
-    assert_same_cache(committed, prefill(target, np.r_[prefix, nodes[path]], 32))
+    assert_same_cache(committed, prefill(target, np.r_[prefix, nodes[path]], 32), atol=TREE_ATOL)
 
 
 def test_right_padding_is_never_committed(target):
