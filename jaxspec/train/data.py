@@ -23,7 +23,7 @@ from jaxspec.batching import generate_many
 from jaxspec.model import Model
 from jaxspec.segment import Segment
 
-SHIPPED = ("train", "heldout", "selfinstruct", "selfinstruct2", "selfinstruct3", "selfinstruct4")
+SHIPPED = ("train", "train2", "heldout", "selfinstruct", "selfinstruct2", "selfinstruct3", "selfinstruct4")
 
 
 @dataclass
