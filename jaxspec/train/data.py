@@ -144,7 +144,8 @@ TAPS_BUCKET = 64  # compute_taps rounds sequence lengths and answer spans to thi
 
 
 def compute_taps(model: Model, data: Dataset, taps: tuple[int, ...], *, batch: int = 4, soft: bool = False,
-                 out: np.ndarray | None = None) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+                 out: np.ndarray | None = None, labels: tuple[np.ndarray, np.ndarray] | None = None, done: int = 0,
+                 progress=None) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
     """The frozen target's tap features for every sequence: [N, S, len(taps) * H] float32 (zero past each
     row's length), and with `soft` its own next-token distribution after every position t whose next token
     x_{t+1} is a training target, as the SOFT_K most likely tokens: ids [N, S, K] int32 and probabilities
@@ -155,6 +156,10 @@ def compute_taps(model: Model, data: Dataset, taps: tuple[int, ...], *, batch: i
     batch cut to its longest row (causal attention: a position's taps never depend on what follows it), and
     the LM head runs only over each row's answer span (over half of the SmolLM2 data's positions are prompt
     or padding). Both round to TAPS_BUCKET so that a handful of shapes compile.
+
+    out, labels: arrays to fill (memory-mapped files for data larger than memory). done: how many rows of the
+    length order an earlier, interrupted call already filled into those same arrays; they are skipped, so a
+    pass of hours on a CPU can go on across sessions. progress(rows_done) runs after every batch.
     """
     N, S = data.tokens.shape
     need = np.zeros((N, S), bool)
@@ -176,9 +181,11 @@ def compute_taps(model: Model, data: Dataset, taps: tuple[int, ...], *, batch: i
 
     if out is None:
         out = np.zeros((N, S, len(taps) * model.config.hidden_size), np.float32)
-    labels = (np.zeros((N, S, SOFT_K), np.int32), np.zeros((N, S, SOFT_K), np.float32)) if soft else None
+    if soft and labels is None:
+        labels = (np.zeros((N, S, SOFT_K), np.int32), np.zeros((N, S, SOFT_K), np.float32))
+    labels = labels if soft else None
     order = np.argsort(data.lengths, kind="stable")
-    for i in tqdm(range(0, N, batch), desc="target taps", unit="batch"):
+    for i in tqdm(range(done, N, batch), desc="target taps", unit="batch", initial=done // batch, total=-(-N // batch)):
         rows = order[i : i + batch]  # [n]
         L = min(S, round_up(int(data.lengths[rows].max()), TAPS_BUCKET))
         W = min(L, round_up(int(span[rows].max()), TAPS_BUCKET)) if soft else 1
@@ -191,6 +198,8 @@ def compute_taps(model: Model, data: Dataset, taps: tuple[int, ...], *, batch: i
         if soft:
             for dst, src in zip(labels, lab):
                 dst[rows[:, None], idx] = np.asarray(src)[: len(rows)]
+        if progress is not None:
+            progress(i + len(rows))
     if soft:  # positions the window covered but no loss reads are zeroed, so the labels say what they are for
         for x in labels:
             x[~need] = 0
