@@ -396,6 +396,11 @@ def test_interrupted_taps_pass_resumes(tmp_path, capsys, monkeypatch):
     for k in ("ids", "probs"):
         np.testing.assert_array_equal(np.load(tmp_path / "w" / "soft.npz")[k], np.load(tmp_path / "full" / "soft.npz")[k])
     assert cli.main(argv("w")) == 0  # then cached as usual
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "taps.partial.json").write_text("{")  # a corrupt progress record: one clear line
+    capsys.readouterr()
+    assert cli.main(argv("c")) == 2
+    assert "not the progress record of a taps pass" in capsys.readouterr().err
 
 
 def test_kept_data_files_are_whole_and_listed():

@@ -103,8 +103,9 @@ def run(args) -> None:
     data_file, taps_file, soft_file = work / "data.npz", work / "taps.npy", work / "soft.npz"
     cached = data_file.exists() and taps_file.exists()
     partial = work / "taps.partial.json"  # an interrupted taps pass: {"rows": filled so far, "soft": bool}
-    resuming = not cached and partial.exists()
-    has_soft = soft_file.exists() if cached else resuming and json.loads(partial.read_text())["soft"]
+    state = None if cached or not partial.exists() else read_partial(partial)
+    resuming = state is not None
+    has_soft = soft_file.exists() if cached else resuming and state["soft"]
     if (cached or resuming) and args.soft_weight and not has_soft:
         raise ValueError(f"{work} caches taps without soft labels; use a new --work directory for --soft-weight")
     # bad input fails before any write
@@ -126,7 +127,7 @@ def run(args) -> None:
         data = Dataset.load(data_file)
     elif resuming:
         data = Dataset.load(work / "data.tmp.npz")
-        taps, soft = cache_taps(model, data, taps_ids, work, json.loads(partial.read_text()))
+        taps, soft = cache_taps(model, data, taps_ids, work, state)
     else:
         parts = []
         if not args.no_prompts:
@@ -186,9 +187,21 @@ def run(args) -> None:
 SAVE_EVERY_S = 60.0  # how often an unfinished taps pass records its progress
 
 
+def read_partial(path: Path) -> dict:
+    """The progress an interrupted taps pass recorded, or a clear error naming the way out."""
+    try:
+        state = json.loads(path.read_text())
+        if not isinstance(state["rows"], int) or not isinstance(state["soft"], bool):
+            raise TypeError("rows and soft")
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not the progress record of a taps pass ({e}); delete it to start the pass "
+                         "again, or use a new --work directory") from None
+    return state
+
+
 def cache_taps(model, data, taps_ids, work: Path, state: dict):
     """The target's taps (and soft labels with state["soft"]) for `data`, filled into memory-mapped files in
-    `work` (on disk, not in memory: 25 GB for SmolLM2's kept data). Every SAVE_EVERY_S the files are flushed
+    `work` (on disk, not in memory: about 30 GB for SmolLM2's kept data). Every SAVE_EVERY_S the files are flushed
     and then the rows done are recorded, so an interrupted pass (hours on a CPU) goes on from there when the
     same command is run again, rather than from the start."""
     from jaxspec.train.data import SOFT_K, compute_taps

@@ -181,9 +181,10 @@ def compute_taps(model: Model, data: Dataset, taps: tuple[int, ...], *, batch: i
 
     if out is None:
         out = np.zeros((N, S, len(taps) * model.config.hidden_size), np.float32)
-    if soft and labels is None:
+    if not soft:
+        labels = None
+    elif labels is None:
         labels = (np.zeros((N, S, SOFT_K), np.int32), np.zeros((N, S, SOFT_K), np.float32))
-    labels = labels if soft else None
     order = np.argsort(data.lengths, kind="stable")
     for i in tqdm(range(done, N, batch), desc="target taps", unit="batch", initial=done // batch, total=-(-N // batch)):
         rows = order[i : i + batch]  # [n]
