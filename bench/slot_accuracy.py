@@ -58,7 +58,8 @@ def slot_accuracy(model, drafter, data: Dataset, taps, rows, anchors: int, rng) 
         cand = np.flatnonzero(data.loss_mask[i, 1:] & (np.arange(1, S) < data.lengths[i]))
         a = np.sort(rng.choice(cand, size=min(anchors, len(cand)), replace=False))
         logits, labels = draft_blocks(model, drafter, data, taps, i, a)
-        valid = ((a[:, None] + np.arange(Bk)) < data.lengths[i]) & data.loss_mask[i][np.minimum(a[:, None] + np.arange(Bk), S - 1)]
+        idx = a[:, None] + np.arange(Bk)  # [A, Bk]
+        valid = (idx < data.lengths[i]) & data.loss_mask[i][np.minimum(idx, S - 1)]
         pred = np.asarray(jnp.argmax(logits, -1))  # [A, Bk-1] draft-vocabulary rows
         pred = vocab[pred] if vocab is not None else pred
         hits += ((pred == labels[:, 1:]) & valid[:, 1:]).sum(0)
@@ -98,14 +99,13 @@ def simulated_acceptance(model, drafter, data, taps, rows, anchors, budgets, tem
     """Mean acceptance length [len(temperatures), len(budgets)] of DDTree rounds anchored at random answer
     positions of `rows` (each with a full block of answer ahead)."""
     Bk, V = drafter.config.block_size, model.config.vocab_size
-    vocab = drafter.config.draft_vocab
-    to_row = np.arange(V) if vocab is None else np.full(V, -1).copy()
-    if vocab is not None:
-        to_row[np.asarray(vocab)] = np.arange(len(vocab))
+    vocab = np.arange(V) if drafter.config.draft_vocab is None else np.asarray(drafter.config.draft_vocab)
+    to_row = np.full(V, -1)
+    to_row[vocab] = np.arange(len(vocab))
     S = data.tokens.shape[1]
     total, n = np.zeros((len(temperatures), len(budgets))), 0
     for i in rows:
-        cand = np.flatnonzero(data.loss_mask[i, 1:S - Bk + 1] & (np.arange(1, S - Bk + 1) + Bk - 1 < data.lengths[i]))
+        cand = np.flatnonzero(data.loss_mask[i, 1:] & (np.arange(S - 1) + Bk - 1 < data.lengths[i]))  # a + B-1 in the row
         if not len(cand):
             continue
         a = np.sort(rng.choice(cand, size=min(anchors, len(cand)), replace=False))
@@ -138,6 +138,13 @@ def main():
     taps = np.load(work / "taps.npy", mmap_mode="r")
     top1 = None
     if args.budgets:
+        try:
+            budgets = [int(b) for b in args.budgets.split(",")]
+            temps = [float(x) for x in args.temperatures.split(",")]
+        except ValueError:
+            sys.exit(f"error: --budgets takes integers and --temperatures numbers, comma-separated (got {args.budgets!r}, {args.temperatures!r})")
+        if min(budgets) < 1 or min(temps) <= 0:
+            sys.exit("error: budgets must be >= 1 and temperatures > 0")
         if not (work / "soft.npz").exists():
             sys.exit(f"error: --budgets needs {work}/soft.npz (the target's top tokens); use a cache made with --soft-weight")
         with np.load(work / "soft.npz") as z:
@@ -150,8 +157,6 @@ def main():
         acc = slot_accuracy(model, drafter, data, taps, rows, args.anchors, rng)
         print(f"{name}: slots 1-{len(acc)} top-1 accuracy " + " ".join(f"{x:.3f}" for x in acc), flush=True)
         if args.budgets:
-            budgets = [int(b) for b in args.budgets.split(",")]
-            temps = [float(x) for x in args.temperatures.split(",")]
             greedy = greedy_rows(data, top1, range(lo, hi))
             pick = rng.choice(greedy, size=min(args.samples, len(greedy)), replace=False) if greedy else []
             al = simulated_acceptance(model, drafter, data, taps, pick, args.anchors, budgets, temps, rng)
