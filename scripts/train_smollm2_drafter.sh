@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Reproduce the bundled SmolLM2-135M-Instruct drafter (jaxspec/drafters/smollm2-135m-instruct) and benchmark it.
 #   bash scripts/train_smollm2_drafter.sh [WORK_DIR] [--regenerate]
-# By default it trains on the self-distillation data kept in data/smollm2-135m-instruct (5178 answers of
-# SmolLM2 to the `train`, `selfinstruct` and `selfinstruct2` prompts). --regenerate first makes that data
-# again into WORK_DIR/data with the same commands (about 2 hours on the 2-core VM, minutes on a GPU).
-# On the 2-core VM: taps + soft labels ~50 min, training ~65 min. Rerunning resumes: the taps cache and
-# Orbax checkpoints live in WORK_DIR.
+# By default it trains on all the self-distillation data kept in data/smollm2-135m-instruct (16813 answers of
+# SmolLM2, 1.96M answer tokens, to the `train`, `train2` and `selfinstruct`..`selfinstruct4` prompts).
+# --regenerate first makes that data again into WORK_DIR/data with the same commands (about 5.5 hours on the
+# 2-core VM, minutes on a GPU). On the 2-core VM: taps + soft labels over 2 hours (a 28 GB file in WORK_DIR),
+# training 4000 steps about 1h50. Rerunning resumes: the taps cache and Orbax checkpoints live in WORK_DIR.
 set -euo pipefail
 WORK=${1:-runs/smollm2}
 OUT=jaxspec/drafters/smollm2-135m-instruct
 DATA=data/smollm2-135m-instruct
+PARTS=(train.s0-1 selfinstruct.s0-1 train.s2 selfinstruct.s2 selfinstruct2.s0-3 selfinstruct3.s0-1 selfinstruct3.s2-3
+       selfinstruct.s3-4 selfinstruct3.s4 train.s3-4 selfinstruct2.s4-7 selfinstruct4.s0 train2.s0-3)
 
 if [[ "${2:-}" == "--regenerate" ]]; then
     DATA="$WORK/data"
@@ -20,17 +22,27 @@ if [[ "${2:-}" == "--regenerate" ]]; then
     distill train.s2 --prompts train --first-sample 2 --samples 1
     distill selfinstruct.s2 --prompts selfinstruct --first-sample 2 --samples 1
     distill selfinstruct2.s0-3 --prompts selfinstruct2 --samples 4
+    distill selfinstruct3.s0-1 --prompts selfinstruct3 --samples 2
+    distill selfinstruct3.s2-3 --prompts selfinstruct3 --first-sample 2 --samples 2
+    distill selfinstruct.s3-4 --prompts selfinstruct --first-sample 3 --samples 2
+    distill selfinstruct3.s4 --prompts selfinstruct3 --first-sample 4 --samples 1
+    distill train.s3-4 --prompts train --first-sample 3 --samples 2
+    distill selfinstruct2.s4-7 --prompts selfinstruct2 --first-sample 4 --samples 4
+    distill selfinstruct4.s0 --prompts selfinstruct4 --samples 1
+    distill train2.s0-3 --prompts train2 --samples 4
 fi
 
 # 2 layers reading target layers 1, 14, 27, blocks of 8 (depths past 7 are never reached on CPU budgets),
 # an 8192-token draft vocabulary; the loss mixes the data's tokens and the target's own top-8 distribution
 # (--soft-weight 0.5). The parameters of the best held-out evaluation (the last 8 held-out prompts) are exported.
-# The files named are the shipped drafter's data: a part added to $DATA later is not read until named here.
+# The parts in PARTS are the shipped drafter's data, in this order (it fixes which rows each step draws); a
+# part added to $DATA later is not read until named there.
+FILES=(); for p in "${PARTS[@]}"; do FILES+=("$DATA/$p.npz"); done
 python -m jaxspec.train --out "$OUT" --work "$WORK" --no-prompts \
-    --data "$DATA"/{train.s0-1,selfinstruct.s0-1,train.s2,selfinstruct.s2,selfinstruct2.s0-3}.npz \
+    --data "${FILES[@]}" \
     --num-layers 2 --block-size 8 --gamma 4 --draft-vocab 8192 --soft-weight 0.5 \
-    --steps 2000 --batch 8 --anchors 32 --lr 6e-4 \
-    --eval-every 500 --eval-prompts 8 --patience 2 --ckpt-every 250 --save-dtype bfloat16
+    --steps 4000 --batch 8 --anchors 32 --lr 6e-4 \
+    --eval-every 500 --eval-prompts 8 --patience 3 --ckpt-every 250 --save-dtype bfloat16
 
 # held-out benchmark (the first 8 held-out prompts); writes $OUT/acceptance.json, the acceptance table budget="auto" reads
 python bench/spec.py --drafter "$OUT" --budgets 2,4,8,16,32,64 --prompts 8 --save-acceptance
