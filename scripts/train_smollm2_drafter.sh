@@ -10,34 +10,36 @@ set -euo pipefail
 WORK=${1:-runs/smollm2}
 OUT=jaxspec/drafters/smollm2-135m-instruct
 DATA=data/smollm2-135m-instruct
-PARTS=(train.s0-1 selfinstruct.s0-1 train.s2 selfinstruct.s2 selfinstruct2.s0-3 selfinstruct3.s0-1 selfinstruct3.s2-3
-       selfinstruct.s3-4 selfinstruct3.s4 train.s3-4 selfinstruct2.s4-7 selfinstruct4.s0 train2.s0-3)
+REGENERATE=${2:-}
+if [[ "$REGENERATE" == "--regenerate" ]]; then DATA="$WORK/data"; mkdir -p "$DATA"; fi
 
-if [[ "${2:-}" == "--regenerate" ]]; then
-    DATA="$WORK/data"
-    mkdir -p "$DATA"
-    distill() { [[ -f "$DATA/$1.npz" ]] || python -m jaxspec.train.distill --batch 64 --out "$DATA/$1.npz" "${@:2}"; }
-    distill train.s0-1 --prompts train --samples 2
-    distill selfinstruct.s0-1 --prompts selfinstruct --samples 2
-    distill train.s2 --prompts train --first-sample 2 --samples 1
-    distill selfinstruct.s2 --prompts selfinstruct --first-sample 2 --samples 1
-    distill selfinstruct2.s0-3 --prompts selfinstruct2 --samples 4
-    distill selfinstruct3.s0-1 --prompts selfinstruct3 --samples 2
-    distill selfinstruct3.s2-3 --prompts selfinstruct3 --first-sample 2 --samples 2
-    distill selfinstruct.s3-4 --prompts selfinstruct --first-sample 3 --samples 2
-    distill selfinstruct3.s4 --prompts selfinstruct3 --first-sample 4 --samples 1
-    distill train.s3-4 --prompts train --first-sample 3 --samples 2
-    distill selfinstruct2.s4-7 --prompts selfinstruct2 --first-sample 4 --samples 4
-    distill selfinstruct4.s0 --prompts selfinstruct4 --samples 1
-    distill train2.s0-3 --prompts train2 --samples 4
-fi
+# The shipped drafter's data, in this order (it fixes which rows each step draws), each part with the command
+# that makes it (run only with --regenerate, for a part not made yet). A part added to $DATA later is not read
+# until named here.
+FILES=()
+part() {
+    FILES+=("$DATA/$1.npz")
+    if [[ "$REGENERATE" == "--regenerate" && ! -f "$DATA/$1.npz" ]]; then
+        python -m jaxspec.train.distill --batch 64 --out "$DATA/$1.npz" "${@:2}"
+    fi
+}
+part train.s0-1 --prompts train --samples 2
+part selfinstruct.s0-1 --prompts selfinstruct --samples 2
+part train.s2 --prompts train --first-sample 2 --samples 1
+part selfinstruct.s2 --prompts selfinstruct --first-sample 2 --samples 1
+part selfinstruct2.s0-3 --prompts selfinstruct2 --samples 4
+part selfinstruct3.s0-1 --prompts selfinstruct3 --samples 2
+part selfinstruct3.s2-3 --prompts selfinstruct3 --first-sample 2 --samples 2
+part selfinstruct.s3-4 --prompts selfinstruct --first-sample 3 --samples 2
+part selfinstruct3.s4 --prompts selfinstruct3 --first-sample 4 --samples 1
+part train.s3-4 --prompts train --first-sample 3 --samples 2
+part selfinstruct2.s4-7 --prompts selfinstruct2 --first-sample 4 --samples 4
+part selfinstruct4.s0 --prompts selfinstruct4 --samples 1
+part train2.s0-3 --prompts train2 --samples 4
 
 # 2 layers reading target layers 1, 14, 27, blocks of 8 (depths past 7 are never reached on CPU budgets),
 # an 8192-token draft vocabulary; the loss mixes the data's tokens and the target's own top-8 distribution
 # (--soft-weight 0.5). The parameters of the best held-out evaluation (the last 8 held-out prompts) are exported.
-# The parts in PARTS are the shipped drafter's data, in this order (it fixes which rows each step draws); a
-# part added to $DATA later is not read until named there.
-FILES=(); for p in "${PARTS[@]}"; do FILES+=("$DATA/$p.npz"); done
 python -m jaxspec.train --out "$OUT" --work "$WORK" --no-prompts \
     --data "${FILES[@]}" \
     --num-layers 2 --block-size 8 --gamma 4 --draft-vocab 8192 --soft-weight 0.5 \
