@@ -1,12 +1,13 @@
 """`budget="auto"`: the DDTree budget with the most tokens per second on this machine.
 
-A round with budget b emits AL(b) tokens on average and costs one draft plus one verify forward of 1 + b
-nodes, so the rate is AL(b) / (draft + verify(1 + b)). The two factors come from different places:
+A round with budget b emits AL(b) tokens on average and costs round(b) seconds (one draft, one verify forward
+of 1 + b nodes and the bookkeeping around them), so its rate over AR is AL(b) x ar_step / round(b). The
+factors come from different places:
 
   * AL(b) belongs to the drafter and its target: measured on held-out prompts and shipped beside the weights
     as `acceptance.json` (`bench/spec.py --save-acceptance` writes it);
-  * the costs belong to the machine: the target's forward over 1 + b nodes and the drafter's forward are
-    timed here, once per (target, drafter, backend), and kept in the user's cache directory.
+  * the costs belong to the machine: an AR step and a round per budget are timed here in the decode loops
+    themselves, once per (target, drafter, backend), and kept in the user's cache directory.
 
 The budget is the measured table's best entry. A drafter without a table keeps the plain default
 (block_size - 1) and says so in the statistics.
@@ -23,10 +24,10 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 ACCEPTANCE_FILE = "acceptance.json"
-COST_CONTEXT = 256  # cache slots the costs are timed over (a short chat turn)
+COST_CONTEXT = 256  # twice the prompt the costs are timed after (a short chat turn)
+COST_FORMAT = 2  # 1: isolated forwards (draft_s, verify_s); 2: decode loops (ar_step_s, round_s)
 
 
 def read_acceptance(path: Path) -> dict[int, float] | None:
@@ -60,28 +61,64 @@ def timeit(fn, *args, reps: int = 5) -> float:
     return statistics.median(ts)
 
 
-def measure_costs(model, drafter, budgets) -> dict:
-    """Seconds of one drafter forward and of one target forward over 1 + b nodes (b in budgets; b = 0 is an
-    AR step), at COST_CONTEXT // 2 committed tokens. Causal masks: a tree mask costs the same."""
-    from jaxspec.segment import Segment
+def measure_costs(model, drafter, budgets, tokens: int = 8, reps: int = 3) -> dict:
+    """Seconds of one AR decode step and of one speculative round per budget, timed inside the jitted decode
+    loops `generate` runs, after a prompt of COST_CONTEXT // 2 random tokens.
 
-    L = COST_CONTEXT // 2
-    cache = model.module.init_cache(1, COST_CONTEXT).advance(L)
-    target_def, drafter_def = model.graphdef, drafter.graphdef
+    A round is everything `generate` pays for: the draft, the tree build, the verify of 1 + b nodes, the
+    acceptance walk and the commit. Timing isolated forwards instead leaves those out and adds a dispatch of
+    every weight per call, which mispriced small trees by tens of percent. Each repetition decodes `tokens`
+    more tokens per method, the methods interleaved, and each keeps its fastest repetition: a shared machine's
+    noise only adds time, and interleaving spreads a slow spell over all of them rather than one."""
+    import numpy as np
 
-    @jax.jit
-    def verify(params, cache, tokens):
-        positions = L + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-        return nnx.merge(target_def, params)(tokens, Segment.causal(positions), cache)[0]
+    from jaxspec import engine
+    from jaxspec.api import round_up
+    from jaxspec.sampling import SamplingParams
 
-    @jax.jit
-    def draft(tparams, dparams, dcache):
-        return nnx.merge(drafter_def, dparams).draft_logits(nnx.merge(target_def, tparams), dcache, jnp.int32(0),
-                                                            jnp.int32(L))
+    L, n_total = COST_CONTEXT // 2, (reps + 1) * tokens
+    prompt = jnp.asarray(np.random.RandomState(0).randint(0, model.config.vocab_size, (1, L)), jnp.int32)
+    key, greedy, no_eos = jax.random.key(0), SamplingParams(), (-1,)
+    dc = drafter.config
 
-    dcache = drafter.module.init_cache(1, COST_CONTEXT)
-    verify_s = {b: timeit(verify, model.params, cache, jnp.zeros((1, 1 + b), jnp.int32)) for b in sorted({0, *budgets})}
-    return dict(draft_s=timeit(draft, model.params, drafter.params, dcache), verify_s=verify_s)
+    ar_max = round_up(L + n_total, 256)
+    state = engine.ar_prefill(model.graphdef, model.params, prompt, jnp.zeros((1,), jnp.int32), key,
+                              jnp.int32(10**6), max_len=ar_max, out_len=n_total + 1, sampling=greedy, eos=no_eos,
+                              layout=model.layout)
+
+    def ar(s, n):  # decode n more tokens -> (state, target forwards made)
+        steps = int(s.steps)
+        s = engine.ar_decode(model.graphdef, model.params, s, jnp.int32(steps + n), sampling=greedy, eos=no_eos,
+                             layout=model.layout)
+        return s, int(s.steps) - steps
+
+    decoders, states, prefilled = {0: ar}, {0: state}, {}  # 0: AR, b: DDTree with budget b
+    for b in sorted(set(budgets)):
+        settings = engine.SpecSettings("ddtree", b, dc.block_size, dc.target_layer_ids, greedy, no_eos,
+                                       layout=model.layout, draft_layout=drafter.layout)
+        max_len = round_up(L + n_total + b + dc.block_size, 256)  # as generate sizes it
+        if max_len not in prefilled:  # the prefill does not depend on the budget: one per buffer size
+            prefilled[max_len] = engine.spec_prefill(
+                model.graphdef, model.params, drafter.graphdef, drafter.params, prompt, jnp.int32(L), key,
+                jnp.int32(10**6), max_len=max_len, out_len=n_total + dc.block_size + 1, settings=settings)
+        states[b] = jax.tree.map(jnp.copy, prefilled[max_len])  # each decode loop consumes its own
+
+        def spec(s, n, settings=settings):
+            rounds = int(s.rounds)
+            s = engine.spec_decode(model.graphdef, model.params, drafter.graphdef, drafter.params, s,
+                                   jnp.int32(int(s.emitted) + n), settings=settings)
+            return s, int(s.rounds) - rounds
+
+        decoders[b] = spec
+    best = {}
+    for r in range(reps + 1):  # repetition 0 compiles
+        for b, decode in decoders.items():
+            t = time.perf_counter()
+            states[b], forwards = decode(states[b], tokens)
+            seconds = (time.perf_counter() - t) / forwards
+            if r:
+                best[b] = min(best.get(b, seconds), seconds)
+    return dict(ar_step_s=best.pop(0), round_s=best)
 
 
 def _key(model, drafter, budgets) -> str:
@@ -91,7 +128,7 @@ def _key(model, drafter, budgets) -> str:
     params = [(str(x.shape), str(x.dtype)) for x in jax.tree.leaves(model.params)]
     kernels = cpu_kernel.build_key() if dev.platform == "cpu" and cpu_kernel.available() else None
     parts = [model.config, drafter.config, params, dev.platform, getattr(dev, "device_kind", ""), jax.__version__,
-             jax.device_count(), sorted(budgets), COST_CONTEXT, kernels]
+             jax.device_count(), sorted(budgets), COST_CONTEXT, COST_FORMAT, kernels]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 
 
@@ -105,10 +142,10 @@ def costs(model, drafter, budgets) -> dict:
         known = {}
     if key in known:
         c = known[key]
-        return dict(draft_s=c["draft_s"], verify_s={int(b): s for b, s in c["verify_s"].items()})
+        return dict(ar_step_s=c["ar_step_s"], round_s={int(b): s for b, s in c["round_s"].items()})
     logging.getLogger(__name__).warning(
-        "jaxspec: timing verify forwards of %s nodes for budget='auto' (once per machine; kept in %s)",
-        sorted(1 + b for b in budgets), path)
+        "jaxspec: timing speculative rounds at budgets %s for budget='auto' (once per machine; kept in %s)",
+        sorted(budgets), path)
     c = measure_costs(model, drafter, budgets)
     known[key] = c
     try:
@@ -121,10 +158,9 @@ def costs(model, drafter, budgets) -> dict:
     return c
 
 
-def best_budget(acceptance: dict[int, float], draft_s: float, verify_s: dict[int, float]) -> tuple[int, dict]:
-    """argmax_b AL(b) / (draft + verify(1 + b)) over the table; also the predicted speed-up over AR per budget."""
-    ar = verify_s[0]
-    speedup = {b: acceptance[b] * ar / (draft_s + verify_s[b]) for b in acceptance}
+def best_budget(acceptance: dict[int, float], ar_step_s: float, round_s: dict[int, float]) -> tuple[int, dict]:
+    """argmax_b AL(b) / round(b) over the table; also the predicted speed-up over AR per budget."""
+    speedup = {b: acceptance[b] * ar_step_s / round_s[b] for b in acceptance}
     return max(speedup, key=lambda b: (speedup[b], -b)), speedup
 
 
@@ -134,5 +170,5 @@ def choose(model, drafter) -> tuple[int, dict]:
     if not table:
         return drafter.config.block_size - 1, {"budget_source": "default (the drafter ships no acceptance.json)"}
     c = costs(model, drafter, list(table))
-    b, speedup = best_budget(table, c["draft_s"], c["verify_s"])
+    b, speedup = best_budget(table, c["ar_step_s"], c["round_s"])
     return b, {"budget_source": "auto", "predicted_speedup": {str(k): round(v, 3) for k, v in sorted(speedup.items())}}
