@@ -61,15 +61,17 @@ def timeit(fn, *args, reps: int = 5) -> float:
     return statistics.median(ts)
 
 
-def measure_costs(model, drafter, budgets, tokens: int = 8, reps: int = 3) -> dict:
-    """Seconds of one AR decode step and of one speculative round per budget, timed inside the jitted decode
-    loops `generate` runs, after a prompt of COST_CONTEXT // 2 random tokens.
+def measure_costs(model, drafter, acceptance: dict[int, float], tokens: int = 8, reps: int = 4) -> dict:
+    """Seconds of one AR decode step and of one speculative round per budget of the `acceptance` table, timed
+    inside the jitted decode loops `generate` runs, after a prompt of COST_CONTEXT // 2 random tokens.
 
     A round is everything `generate` pays for: the draft, the tree build, the verify of 1 + b nodes, the
-    acceptance walk and the commit. Timing isolated forwards instead leaves those out and adds a dispatch of
-    every weight per call, which mispriced small trees by tens of percent. Each repetition decodes `tokens`
-    more tokens per method, the methods interleaved, and each keeps its fastest repetition: a shared machine's
-    noise only adds time, and interleaving spreads a slow spell over all of them rather than one."""
+    acceptance walk and the commit; timing isolated forwards instead left the bookkeeping out and paid a
+    dispatch per call. Budgets go in increasing order, each in `reps` repetitions of `tokens` tokens
+    interleaved with as many AR steps, and each keeps its fastest repetition (a shared machine's noise only
+    adds time) as a ratio to the fastest AR step of the same spell, as the machine's speed drifts between
+    spells. Rounds only grow with the tree, so the timing stops at the first budget whose round costs more
+    than even the table's best acceptance length could repay at the best rate found so far."""
     import numpy as np
 
     from jaxspec import engine
@@ -81,19 +83,25 @@ def measure_costs(model, drafter, budgets, tokens: int = 8, reps: int = 3) -> di
     key, greedy, no_eos = jax.random.key(0), SamplingParams(), (-1,)
     dc = drafter.config
 
-    ar_max = round_up(L + n_total, 256)
-    state = engine.ar_prefill(model.graphdef, model.params, prompt, jnp.zeros((1,), jnp.int32), key,
-                              jnp.int32(10**6), max_len=ar_max, out_len=n_total + 1, sampling=greedy, eos=no_eos,
-                              layout=model.layout)
-
     def ar(s, n):  # decode n more tokens -> (state, target forwards made)
         steps = int(s.steps)
         s = engine.ar_decode(model.graphdef, model.params, s, jnp.int32(steps + n), sampling=greedy, eos=no_eos,
                              layout=model.layout)
         return s, int(s.steps) - steps
 
-    decoders, states, prefilled = {0: ar}, {0: state}, {}  # 0: AR, b: DDTree with budget b
-    for b in sorted(set(budgets)):
+    def spec(settings):
+        def decode(s, n):
+            rounds = int(s.rounds)
+            s = engine.spec_decode(model.graphdef, model.params, drafter.graphdef, drafter.params, s,
+                                   jnp.int32(int(s.emitted) + n), settings=settings)
+            return s, int(s.rounds) - rounds
+        return decode
+
+    ar0 = engine.ar_prefill(model.graphdef, model.params, prompt, jnp.zeros((1,), jnp.int32), key, jnp.int32(10**6),
+                            max_len=round_up(L + n_total, 256), out_len=n_total + 1, sampling=greedy, eos=no_eos,
+                            layout=model.layout)
+    ar_s, ratio, prefilled = float("inf"), {}, {}
+    for b in sorted(acceptance):
         settings = engine.SpecSettings("ddtree", b, dc.block_size, dc.target_layer_ids, greedy, no_eos,
                                        layout=model.layout, draft_layout=drafter.layout)
         max_len = round_up(L + n_total + b + dc.block_size, 256)  # as generate sizes it
@@ -101,41 +109,42 @@ def measure_costs(model, drafter, budgets, tokens: int = 8, reps: int = 3) -> di
             prefilled[max_len] = engine.spec_prefill(
                 model.graphdef, model.params, drafter.graphdef, drafter.params, prompt, jnp.int32(L), key,
                 jnp.int32(10**6), max_len=max_len, out_len=n_total + dc.block_size + 1, settings=settings)
-        states[b] = jax.tree.map(jnp.copy, prefilled[max_len])  # each decode loop consumes its own
-
-        def spec(s, n, settings=settings):
-            rounds = int(s.rounds)
-            s = engine.spec_decode(model.graphdef, model.params, drafter.graphdef, drafter.params, s,
-                                   jnp.int32(int(s.emitted) + n), settings=settings)
-            return s, int(s.rounds) - rounds
-
-        decoders[b] = spec
-    best = {}
-    for r in range(reps + 1):  # repetition 0 compiles
-        for b, decode in decoders.items():
-            t = time.perf_counter()
-            states[b], forwards = decode(states[b], tokens)
-            seconds = (time.perf_counter() - t) / forwards
-            if r:
-                best[b] = min(best.get(b, seconds), seconds)
-    return dict(ar_step_s=best.pop(0), round_s=best)
+        runs = [[ar, jax.tree.map(jnp.copy, ar0)], [spec(settings), jax.tree.map(jnp.copy, prefilled[max_len])]]
+        fastest = [float("inf"), float("inf")]  # AR step, round
+        for r in range(reps + 1):  # repetition 0 compiles
+            for i, run in enumerate(runs):
+                t = time.perf_counter()
+                run[1], forwards = run[0](run[1], tokens)
+                if r:
+                    fastest[i] = min(fastest[i], (time.perf_counter() - t) / forwards)
+        ar_s, ratio[b] = min(ar_s, fastest[0]), fastest[1] / fastest[0]  # a round in AR steps of the same spell
+        if not larger_can_win(acceptance, ratio):
+            break
+    return dict(ar_step_s=ar_s, round_s={b: x * ar_s for b, x in ratio.items()})
 
 
-def _key(model, drafter, budgets) -> str:
+def larger_can_win(acceptance: dict[int, float], round_s: dict[int, float]) -> bool:
+    """Whether a budget above the largest timed one could beat the best timed rate AL(b) / round(b): its round
+    costs at least the largest timed one's, and its acceptance length is at most the table's largest."""
+    best_rate = max(acceptance[b] / s for b, s in round_s.items())
+    return max(acceptance.values()) / round_s[max(round_s)] >= best_rate
+
+
+def _key(model, drafter, acceptance) -> str:
     from jaxspec.models import cpu_kernel  # it imports this module
 
     dev = jax.devices()[0]
     params = [(str(x.shape), str(x.dtype)) for x in jax.tree.leaves(model.params)]
     kernels = cpu_kernel.build_key() if dev.platform == "cpu" and cpu_kernel.available() else None
     parts = [model.config, drafter.config, params, dev.platform, getattr(dev, "device_kind", ""), jax.__version__,
-             jax.device_count(), sorted(budgets), COST_CONTEXT, COST_FORMAT, kernels]
+             jax.device_count(), sorted(acceptance.items()), COST_CONTEXT, COST_FORMAT, kernels]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 
 
-def costs(model, drafter, budgets) -> dict:
+def costs(model, drafter, acceptance: dict[int, float]) -> dict:
     """measure_costs, remembered on disk (the cost of one compile per budget, paid once per machine)."""
     path = cache_dir() / "costs.json"
-    key = _key(model, drafter, budgets)
+    key = _key(model, drafter, acceptance)
     try:
         known = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
@@ -145,8 +154,8 @@ def costs(model, drafter, budgets) -> dict:
         return dict(ar_step_s=c["ar_step_s"], round_s={int(b): s for b, s in c["round_s"].items()})
     logging.getLogger(__name__).warning(
         "jaxspec: timing speculative rounds at budgets %s for budget='auto' (once per machine; kept in %s)",
-        sorted(budgets), path)
-    c = measure_costs(model, drafter, budgets)
+        sorted(acceptance), path)
+    c = measure_costs(model, drafter, acceptance)
     known[key] = c
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -159,8 +168,8 @@ def costs(model, drafter, budgets) -> dict:
 
 
 def best_budget(acceptance: dict[int, float], ar_step_s: float, round_s: dict[int, float]) -> tuple[int, dict]:
-    """argmax_b AL(b) / round(b) over the table; also the predicted speed-up over AR per budget."""
-    speedup = {b: acceptance[b] * ar_step_s / round_s[b] for b in acceptance}
+    """argmax_b AL(b) / round(b) over the timed budgets; also the predicted speed-up over AR of each."""
+    speedup = {b: acceptance[b] * ar_step_s / round_s[b] for b in round_s}
     return max(speedup, key=lambda b: (speedup[b], -b)), speedup
 
 
@@ -169,6 +178,6 @@ def choose(model, drafter) -> tuple[int, dict]:
     table = drafter.acceptance
     if not table:
         return drafter.config.block_size - 1, {"budget_source": "default (the drafter ships no acceptance.json)"}
-    c = costs(model, drafter, list(table))
+    c = costs(model, drafter, table)
     b, speedup = best_budget(table, c["ar_step_s"], c["round_s"])
     return b, {"budget_source": "auto", "predicted_speedup": {str(k): round(v, 3) for k, v in sorted(speedup.items())}}

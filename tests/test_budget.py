@@ -5,7 +5,7 @@ import pytest
 
 import jaxspec
 from jaxspec import budget as budget_mod
-from jaxspec.budget import best_budget, read_acceptance
+from jaxspec.budget import best_budget, larger_can_win, read_acceptance
 from test_engine import PROMPT, tiny_target
 
 
@@ -18,6 +18,14 @@ def test_best_budget_is_the_fastest_entry():
     assert speedup[4] == pytest.approx(1.8 * 10 / 16) and speedup[32] == pytest.approx(3.0 * 10 / 42)
     b, _ = best_budget(acceptance, 0.010, {4: 0.016, 8: 0.017, 32: 0.042})  # a cheap 8-node round
     assert b == 8
+
+
+def test_timing_stops_once_no_larger_budget_can_win():
+    acceptance = {2: 1.8, 4: 2.0, 8: 2.3, 16: 2.4, 64: 2.7}
+    assert larger_can_win(acceptance, {2: 0.011})  # 2.7 / 11 ms could still beat 1.8 / 11 ms
+    assert larger_can_win(acceptance, {2: 0.011, 4: 0.012, 8: 0.016})  # 2.7 / 16 = .169 >= 2.0 / 12 = .167
+    assert not larger_can_win(acceptance, {2: 0.011, 4: 0.012, 8: 0.017})  # 2.7 / 17 = .159 < 2.0 / 12 = .167
+    assert not larger_can_win({2: 1.8, 4: 1.8}, {2: 0.011, 4: 0.012})
 
 
 def test_read_acceptance(tmp_path):
@@ -47,10 +55,11 @@ def test_auto_measures_once_and_stays_lossless(tmp_path, monkeypatch):
     assert d.acceptance == {2: 1.5, 6: 1.9}
     res = jaxspec.generate(m, input_ids=PROMPT, drafter=d, budget="auto", max_new_tokens=24)
     assert res.stats["budget_source"] == "auto" and res.stats["budget"] in (2, 6)
-    assert set(res.stats["predicted_speedup"]) == {"2", "6"}
+    assert "2" in res.stats["predicted_speedup"] and set(res.stats["predicted_speedup"]) <= {"2", "6"}
     assert res.token_ids == want
     (c,) = json.loads((tmp_path / "cache" / "costs.json").read_text()).values()
-    assert set(c["round_s"]) == {"2", "6"} and c["ar_step_s"] > 0 and min(c["round_s"].values()) > 0
+    assert set(c["round_s"]) == set(res.stats["predicted_speedup"]) and c["ar_step_s"] > 0
+    assert min(c["round_s"].values()) > 0
 
     monkeypatch.setattr(budget_mod, "measure_costs", lambda *a: pytest.fail("costs were not read from the cache"))
     again = jaxspec.generate(m, input_ids=PROMPT, drafter=d, budget="auto", max_new_tokens=24)
