@@ -82,7 +82,8 @@ def component_times(model, drafter, budget, method, L=256, reps=30):
 
     @jax.jit
     def draft(tp, dp, s):
-        return nnx.merge(dg, dp).draft_logits(nnx.merge(tg, tp), s.draft_cache, s.bonus, s.cache.length)
+        return nnx.merge(dg, dp).draft_logits(nnx.merge(tg, tp), s.draft_cache, s.bonus, s.cache.length,
+                                              settings.draft_depth)
 
     draft_logits = draft(tp, dp, state)
     tree = build_tree(draft_logits, budget) if method == "ddtree" else build_chain(draft_logits)

@@ -151,6 +151,11 @@ class SpecSettings:
     def depth(self) -> int:
         return self.block_size - 1
 
+    @property
+    def draft_depth(self) -> int:
+        """Draft rows a round needs: a tree of `budget` nodes is at most `budget` deep."""
+        return min(self.budget, self.depth) if self.method == "ddtree" else self.depth
+
 
 @jax.tree_util.register_dataclass
 @dataclass
@@ -196,7 +201,7 @@ def spec_round(target, drafter, s: SpecState, settings: SpecSettings) -> SpecSta
     L = s.cache.length
     key, k_verify = jax.random.split(s.key)
     # 1-2. draft and build the tree (root = bonus)
-    draft = drafter.draft_logits(target, s.draft_cache, s.bonus, L)
+    draft = drafter.draft_logits(target, s.draft_cache, s.bonus, L, settings.draft_depth)
     tree = build_tree(draft, settings.budget) if settings.method == "ddtree" else build_chain(draft)
     tokens = tree.tokens.at[0].set(s.bonus)
     # 3. verify all nodes in one forward: node i at position L + depth_i, seeing prefix + its ancestors

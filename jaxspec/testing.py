@@ -34,7 +34,7 @@ class OracleDrafter(nnx.Module):
     def append_context(self, cache: Cache, taps, n_valid) -> Cache:
         return cache.advance(n_valid)
 
-    def draft_logits(self, target, cache: Cache, bonus, L):
+    def draft_logits(self, target, cache: Cache, bonus, L, depth: int | None = None):
         D, V = self.config.block_size - 1, self.config.vocab_size
         ref = self.reference[...]
         idx = L + 1 + jnp.arange(D)
@@ -48,7 +48,7 @@ class OracleDrafter(nnx.Module):
         wrong = (right[:, None] + offs[None, :]) % V  # [D, max_rank-1]
         boost = jnp.where(demote[:, None] & (offs[None, :] < rank[:, None]), 12.0 - offs[None, :] * 0.1, -jnp.inf)
         logits = logits.at[jnp.arange(D)[:, None], wrong].max(boost)
-        return logits.at[jnp.arange(D), right].set(10.0)
+        return logits.at[jnp.arange(D), right].set(10.0)[:depth]
 
 
 def oracle_drafter(model: Model, reference, *, noise: float = 0.0, max_rank: int = 3, block_size: int = 16,

@@ -186,6 +186,9 @@ def test_draft_vocab(tmp_path, target, ar_ref):
         d.config.target_layer_ids))), 5)
     logits = np.asarray(mod.draft_logits(target.module, cache, jnp.int32(PROMPT[0]), jnp.int32(5)))  # [7, V]
     assert np.isneginf(np.delete(logits, vocab, axis=1)).all() and np.isfinite(logits[:, vocab]).all()
+    for depth in (1, 3):  # DDTree's small budgets draft only their rows, which are the same rows
+        cut = mod.draft_logits(target.module, cache, jnp.int32(PROMPT[0]), jnp.int32(5), depth)
+        np.testing.assert_allclose(np.asarray(cut), logits[:depth], rtol=1e-6, atol=1e-6)
     for method, budget in (("dflash", None), ("ddtree", 16)):
         res = jaxspec.generate(target, input_ids=PROMPT, drafter=d, method=method, budget=budget, max_new_tokens=64)
         assert res.token_ids == ar_ref[:64]

@@ -112,6 +112,19 @@ def test_matches_heap(D, V, budget):
         check_against_heap((rng.standard_normal((D, V)) * scale).astype(np.float32), budget)
 
 
+@pytest.mark.parametrize("budget", [1, 2, 3, 6])
+def test_rows_below_the_budget_never_matter(budget):
+    """A tree of `budget` nodes is at most `budget` deep, so the engine drafts only min(budget, D) rows: the
+    tree from those rows alone is the tree from all of them. Peaked rows make deep spines likely."""
+    for seed in range(4):
+        rng = np.random.default_rng(seed)
+        logits = (rng.standard_normal((7, 40)) * rng.uniform(2.0, 20.0, (7, 1))).astype(np.float32)
+        full, cut = host(jit_build(budget)(logits)), host(jit_build(budget)(logits[:budget]))
+        for f in ("tokens", "parents", "depths", "valid"):
+            np.testing.assert_array_equal(full[f], cut[f])
+        np.testing.assert_allclose(full["scores"], cut["scores"], rtol=1e-6)
+
+
 def test_budget_above_possible():
     check_against_heap(np.random.default_rng(7).standard_normal((2, 3)).astype(np.float32), 16)  # 3 + 9 paths
 

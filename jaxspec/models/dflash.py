@@ -85,18 +85,22 @@ class DFlashDrafter(nnx.Module):
                        for e, layer in zip(cache.layers, self.layers))
         return dataclasses.replace(cache, layers=layers).advance(n_valid)
 
-    def draft_logits(self, target, cache: Cache, bonus, L):
-        """Draft distributions for the block [bonus, MASK x (B-1)] at positions L.. -> float32 [B-1, V].
+    def draft_logits(self, target, cache: Cache, bonus, L, depth: int | None = None):
+        """Draft distributions for the block [bonus, MASK x (B-1)] at positions L.. -> float32 [depth, V].
 
-        target supplies the (frozen) embedding and LM head: `target.embed`, `target.head`.
+        target supplies the (frozen) embedding and LM head: `target.embed`, `target.head`. depth (static,
+        default B-1): the rows of depths 1..depth only. The whole block still goes through the layers, so
+        those rows are unchanged, and the head, the drafter's largest product, skips the rest: a tree of b
+        nodes is at most b deep, so a small DDTree budget never reads the deep rows.
         """
         Bk = self.config.block_size
+        depth = Bk - 1 if depth is None else depth
         block = jnp.full((1, Bk), self.config.mask_token_id, jnp.int32).at[0, 0].set(bonus)
         pos = (L - cache.start[0] + jnp.arange(Bk, dtype=jnp.int32))[None]
-        logits = self.head(target, self(target.embed(block), pos, cache)[0, 1:])
+        logits = self.head(target, self(target.embed(block), pos, cache)[0, 1 : 1 + depth])
         if not self.config.draft_vocab:
             return logits
-        full = jnp.full((Bk - 1, self.config.vocab_size), -jnp.inf, jnp.float32)  # never draft the rest
+        full = jnp.full((depth, self.config.vocab_size), -jnp.inf, jnp.float32)  # never draft the rest
         return full.at[:, jnp.asarray(self.config.draft_vocab, jnp.int32)].set(logits)
 
     def head(self, target, h):
