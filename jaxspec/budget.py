@@ -14,6 +14,7 @@ The budget is the measured table's best entry. A drafter without a table keeps t
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -89,13 +90,11 @@ def measure_costs(model, drafter, acceptance: dict[int, float], tokens: int = 8,
                              layout=model.layout)
         return s, int(s.steps) - steps
 
-    def spec(settings):
-        def decode(s, n):
-            rounds = int(s.rounds)
-            s = engine.spec_decode(model.graphdef, model.params, drafter.graphdef, drafter.params, s,
-                                   jnp.int32(int(s.emitted) + n), settings=settings)
-            return s, int(s.rounds) - rounds
-        return decode
+    def spec(s, n, settings):  # the same for DDTree rounds
+        rounds = int(s.rounds)
+        s = engine.spec_decode(model.graphdef, model.params, drafter.graphdef, drafter.params, s,
+                               jnp.int32(int(s.emitted) + n), settings=settings)
+        return s, int(s.rounds) - rounds
 
     ar0 = engine.ar_prefill(model.graphdef, model.params, prompt, jnp.zeros((1,), jnp.int32), key, jnp.int32(10**6),
                             max_len=round_up(L + n_total, 256), out_len=n_total + 1, sampling=greedy, eos=no_eos,
@@ -109,12 +108,13 @@ def measure_costs(model, drafter, acceptance: dict[int, float], tokens: int = 8,
             prefilled[max_len] = engine.spec_prefill(
                 model.graphdef, model.params, drafter.graphdef, drafter.params, prompt, jnp.int32(L), key,
                 jnp.int32(10**6), max_len=max_len, out_len=n_total + dc.block_size + 1, settings=settings)
-        runs = [[ar, jax.tree.map(jnp.copy, ar0)], [spec(settings), jax.tree.map(jnp.copy, prefilled[max_len])]]
+        decoders = (ar, functools.partial(spec, settings=settings))
+        states = [jax.tree.map(jnp.copy, ar0), jax.tree.map(jnp.copy, prefilled[max_len])]  # decoding consumes them
         fastest = [float("inf"), float("inf")]  # AR step, round
         for r in range(reps + 1):  # repetition 0 compiles
-            for i, run in enumerate(runs):
+            for i, decode in enumerate(decoders):
                 t = time.perf_counter()
-                run[1], forwards = run[0](run[1], tokens)
+                states[i], forwards = decode(states[i], tokens)
                 if r:
                     fastest[i] = min(fastest[i], (time.perf_counter() - t) / forwards)
         ar_s, ratio[b] = min(ar_s, fastest[0]), fastest[1] / fastest[0]  # a round in AR steps of the same spell

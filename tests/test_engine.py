@@ -94,6 +94,17 @@ def test_lossless_greedy_oracle(target, ar_ref, method, budget):
         assert res.stats["acceptance_length"] > chain.stats["acceptance_length"]
 
 
+@pytest.mark.parametrize("budget", [1, 4])
+def test_small_budget_reaches_its_depth(target, ar_ref, budget):
+    """A small budget drafts only `budget` rows (SpecSettings.draft_depth); an exact oracle's tree is then one
+    chain of `budget` nodes, and every round but the last accepts all of it."""
+    d = oracle_drafter(target, PROMPT + ar_ref, noise=0.0)
+    res = jaxspec.generate(target, input_ids=PROMPT, drafter=d, method="ddtree", budget=budget, max_new_tokens=61)
+    assert res.token_ids == ar_ref[:61]
+    hist = res.stats["accepted_length_histogram"]
+    assert hist[budget] >= sum(hist) - 1 and not any(hist[budget + 1:])
+
+
 @pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 16)])
 def test_lossless_greedy_random_drafter(target, ar_ref, method, budget):
     d = jaxspec.init_drafter(target, num_layers=1, block_size=8, seed=3)
