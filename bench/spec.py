@@ -64,11 +64,12 @@ def tiny_target():
     return m
 
 
-def component_times(model, drafter, budget, method, L=256, reps=30):
+def component_times(model, drafter, budget, method, lookup, L=256, reps=30):
     """Median seconds of: one AR step, draft, tree verify, and a full round, at cache length L."""
     tg, tp, dg, dp = model.graphdef, model.params, drafter.graphdef, drafter.params
     dc = drafter.config
-    settings = engine.SpecSettings(method, budget, dc.block_size, dc.target_layer_ids, SamplingParams(), (-1,))
+    settings = engine.SpecSettings(method, budget, dc.block_size, dc.target_layer_ids, SamplingParams(), (-1,),
+                                   lookup=lookup)
     T = L + 512
     rng = np.random.RandomState(0)
     prompt = jnp.asarray(rng.randint(0, model.config.vocab_size, (1, L)), jnp.int32)
@@ -113,6 +114,9 @@ def main(argv=None):
     ap.add_argument("--budgets", default="8,16,32,64")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=4, help="how many held-out prompts (never used in training)")
+    ap.add_argument("--lookup", choices=("on", "off", "both"), default="on",
+                    help="prompt lookup in the speculative rows (generate's default: on); both adds a row without it "
+                         "per budget, named ddtree@B/plain")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers generate reference (GGUF targets)")
     ap.add_argument("--quantize", default=None, choices=["int8", "int4", "native"],
                     help="load the target packed (jaxspec.load(quantize=...)); every method then runs on it")
@@ -141,18 +145,21 @@ def main(argv=None):
         return jaxspec.load_drafter(args.drafter, model)
 
     def run(name, inp, ar):
+        lookup = args.lookup != "off" and not name.endswith("/plain")
+        name = name.removesuffix("/plain")
         method, budget = name.split("@") if "@" in name else (name, None)
         budget = int(budget) if budget and budget != "auto" else budget
         drafter = drafter_for(inp, ar)
         for _ in range(2):  # the first run compiles
             r = jaxspec.generate(model, **inp, drafter=drafter, method=method, budget=budget,
-                                 max_new_tokens=args.max_new_tokens)
+                                 max_new_tokens=args.max_new_tokens, lookup=lookup)
         assert r.token_ids == ar.token_ids, f"{name} differs from AR greedy"
         return dict(tps=r.stats["tokens_per_second"], speedup=r.stats["tokens_per_second"] / ar.stats["tokens_per_second"],
                     al=r.stats["acceptance_length"], n=r.stats["new_tokens"], budget=r.stats["budget"],
                     per_depth=r.stats["per_depth_acceptance"])
 
-    rows = {"ar": [], "dflash": [], **{f"ddtree@{b}": [] for b in budgets}, "ddtree@auto": []}
+    rows = {"ar": [], "dflash": [], **{f"ddtree@{b}": [] for b in budgets},
+            **{f"ddtree@{b}/plain": [] for b in (budgets if args.lookup == "both" else ())}, "ddtree@auto": []}
     ars = []
     for inp in inputs:
         ar = jaxspec.generate(model, **inp, method="ar", max_new_tokens=args.max_new_tokens)
@@ -166,7 +173,8 @@ def main(argv=None):
         table = {str(b): statistics.mean(r["al"] for r in rows[f"ddtree@{b}"]) for b in budgets}
         (Path(args.drafter) / "acceptance.json").write_text(json.dumps(dict(
             acceptance_length=table, measured=dict(prompts=f"heldout[:{len(inputs)}]", max_new_tokens=args.max_new_tokens,
-                                                   greedy=True, date=datetime.date.today().isoformat())), indent=2) + "\n")
+                                                   greedy=True, lookup=args.lookup != "off",
+                                                   date=datetime.date.today().isoformat())), indent=2) + "\n")
         print(f"wrote {Path(args.drafter) / 'acceptance.json'}")
     for inp, ar in zip(inputs, ars):
         rows["ddtree@auto"].append(run("ddtree@auto", inp, ar))
@@ -178,7 +186,7 @@ def main(argv=None):
             continue
         method = name.split("@")[0]
         budget = rows[name][0]["budget"]  # auto: the budget it chose
-        comp[name] = component_times(model, drafter, budget, method)
+        comp[name] = component_times(model, drafter, budget, method, args.lookup != "off" and "/plain" not in name)
 
     hf_tps = None
     gguf = args.model or bundled_smollm2()
@@ -190,7 +198,7 @@ def main(argv=None):
           f"max_new_tokens={args.max_new_tokens} prompts={len(inputs)} backend={jax.default_backend()}")
     print("speed-up = median over prompts of (tokens/s / AR tokens/s on the same prompt), [min, max]; "
           "accept len = mean, [min, max]")
-    print(f"{'method':<13}{'tok/s':>8}{'speed-up':>10}{'[min, max]':>14}{'accept len':>12}{'[min, max]':>14}"
+    print(f"{'method':<16}{'tok/s':>8}{'speed-up':>10}{'[min, max]':>14}{'accept len':>12}{'[min, max]':>14}"
           f"{'verify/AR':>11}{'overhead':>10}")
     summary = {}
     for name, rs in rows.items():
@@ -206,14 +214,14 @@ def main(argv=None):
                              budget=rs[0].get("budget"), verify_cost_ratio=vr, round_overhead=ov, components=c,
                              per_prompt=rs)
         label = f"ddtree@auto={rs[0]['budget']}" if name == "ddtree@auto" else name
-        print(f"{label:<13}{tps:>8.1f}{statistics.median(sp):>9.2f}x{f'[{min(sp):.2f}, {max(sp):.2f}]':>14}"
+        print(f"{label:<16}{tps:>8.1f}{statistics.median(sp):>9.2f}x{f'[{min(sp):.2f}, {max(sp):.2f}]':>14}"
               f"{statistics.mean(als):>12.2f}{f'[{min(als):.2f}, {max(als):.2f}]':>14}{vr:>11.2f}"
               f"{(100 * ov if c else 0):>9.1f}%")
     for name in ("dflash", "ddtree@auto"):
         d = summary[name]["per_depth_acceptance"]
         print(f"per-depth acceptance, {name}: " + " ".join(f"{x:.2f}" for x in d))
     if hf_tps is not None:
-        print(f"{'hf generate':<13}{hf_tps:>8.1f}{hf_tps / ar_tps:>9.2f}x")
+        print(f"{'hf generate':<16}{hf_tps:>8.1f}{hf_tps / ar_tps:>9.2f}x")
     RESULTS.mkdir(exist_ok=True)
     out = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), args=vars(args),
                transformers_tokens_per_second=hf_tps, results=summary)

@@ -109,13 +109,16 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
              budget: int | str | None = None, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, chat: bool | None = None,
              on_tokens: Callable[[list[int]], None] | None = None, chunk_tokens: int = 16,
-             kv_impl: str = "xla") -> GenerationResult:
+             kv_impl: str = "xla", lookup: bool = True) -> GenerationResult:
     """Generate from `prompt` (str or list of str) or `input_ids` (list[int] or [B, T]).
 
     method: "ar", "dflash" or "ddtree" ("auto": ddtree when a drafter is given). Speculative methods are
     lossless: greedy output equals AR greedy token for token; sampled output has the target's distribution.
     on_tokens(new_ids) streams a single prompt's tokens, read back every `chunk_tokens` tokens.
     kv_impl: the KV commit of speculative rounds, "xla" or "pallas"; stats["kv_commit"] says what ran.
+    lookup: speculative rounds also consider the tokens that followed the context's last few tokens where they
+    occurred before (prompt lookup, jaxspec.lookup); they compete with the drafter's for the same tree nodes, so
+    the verify costs the same. False drafts from the drafter alone.
     """
     sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
     method, budget = resolve_method(method, drafter, budget)
@@ -125,6 +128,8 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
                                   or chunk_tokens < 1):
         raise ValueError(f"chunk_tokens must be a positive integer when streaming, got {chunk_tokens!r}")
     kv_commit = effective_impl(kv_impl)
+    if not isinstance(lookup, (bool, np.bool_)):
+        raise ValueError(f"lookup must be True or False, got {lookup!r}")
     if kv_impl != "xla" and model.layout is not None:
         raise ValueError(f"kv_impl={kv_impl!r} runs on one device; a sharded model commits with kv_impl='xla' "
                          "(the default), which XLA partitions with the cache")
@@ -167,18 +172,18 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
         check_placement(drafter, model)
         dc = drafter.config
         if budget == "auto":
-            budget, chosen = choose_budget(model, drafter)
+            budget, chosen = choose_budget(model, drafter, lookup)
             stats.update(chosen)
             t0 = time.perf_counter()  # a first-time cost measurement is not prefill
         settings = engine.SpecSettings(method, budget, dc.block_size, dc.target_layer_ids, sampling, eos, kv_impl,
-                                       model.layout, drafter.layout)
+                                       model.layout, drafter.layout, bool(lookup))
         (r,) = rows
         P = round_up(len(r), 64)
         tokens = np.zeros((1, P), np.int32)  # right-padded; the forward is told the real length
         tokens[0, : len(r)] = r
         # The last round starts at L <= len + max_new - 2 and writes 1 + budget tree slots (target) and
         # block_size context rows (drafter) from there: scratch slots past the context length are fine.
-        max_len = round_up(max(P, len(r) + max_new_tokens + budget + dc.block_size), 256)
+        max_len = round_up(max(P, len(r) + max_new_tokens + settings.nodes + dc.block_size), 256)
         out_len = round_up(max_new_tokens, 64) + dc.block_size
         state = engine.spec_prefill(model.graphdef, model.params, drafter.graphdef, drafter.params,
                                     jnp.asarray(tokens), jnp.int32(len(r)), key, jnp.int32(max_new_tokens),

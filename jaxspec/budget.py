@@ -62,14 +62,15 @@ def timeit(fn, *args, reps: int = 5) -> float:
     return statistics.median(ts)
 
 
-def measure_costs(model, drafter, acceptance: dict[int, float], tokens: int = 8, reps: int = 4) -> dict:
+def measure_costs(model, drafter, acceptance: dict[int, float], lookup: bool = True, tokens: int = 8,
+                  reps: int = 4) -> dict:
     """Seconds of one AR decode step and of one speculative round per budget of the `acceptance` table, timed
     inside the jitted decode loops `generate` runs, after a prompt of COST_CONTEXT // 2 random tokens.
 
-    A round is everything `generate` pays for: the draft, the tree build, the verify of 1 + b nodes, the
-    acceptance walk and the commit; timing isolated forwards instead left the bookkeeping out and paid a
-    dispatch per call. Budgets go in increasing order, each in `reps` repetitions of `tokens` tokens
-    interleaved with as many AR steps, and each keeps its fastest repetition (a shared machine's noise only
+    A round is everything `generate` pays for: the draft, the tree build (with `lookup`, the prompt lookup and
+    its merge), the verify of 1 + b nodes, the acceptance walk and the commit; timing isolated forwards instead
+    left the bookkeeping out and paid a dispatch per call. Budgets go in increasing order, each in `reps`
+    repetitions of `tokens` tokens interleaved with as many AR steps, and each keeps its fastest repetition (a shared machine's noise only
     adds time) as a ratio to the fastest AR step of the same spell, as the machine's speed drifts between
     spells. Rounds only grow with the tree, so the timing stops at the first budget whose round costs more
     than even the table's best acceptance length could repay at the best rate found so far."""
@@ -102,8 +103,8 @@ def measure_costs(model, drafter, acceptance: dict[int, float], tokens: int = 8,
     ar_s, ratio, prefilled = float("inf"), {}, {}
     for b in sorted(acceptance):
         settings = engine.SpecSettings("ddtree", b, dc.block_size, dc.target_layer_ids, greedy, no_eos,
-                                       layout=model.layout, draft_layout=drafter.layout)
-        max_len = round_up(L + n_total + b + dc.block_size, 256)  # as generate sizes it
+                                       layout=model.layout, draft_layout=drafter.layout, lookup=lookup)
+        max_len = round_up(L + n_total + settings.nodes + dc.block_size, 256)  # as generate sizes it
         if max_len not in prefilled:  # the prefill does not depend on the budget: one per buffer size
             prefilled[max_len] = engine.spec_prefill(
                 model.graphdef, model.params, drafter.graphdef, drafter.params, prompt, jnp.int32(L), key,
@@ -130,21 +131,21 @@ def larger_can_win(acceptance: dict[int, float], round_s: dict[int, float]) -> b
     return max(acceptance.values()) / round_s[max(round_s)] >= best_rate
 
 
-def _key(model, drafter, acceptance) -> str:
+def _key(model, drafter, acceptance, lookup) -> str:
     from jaxspec.models import cpu_kernel  # it imports this module
 
     dev = jax.devices()[0]
     params = [(str(x.shape), str(x.dtype)) for x in jax.tree.leaves(model.params)]
     kernels = cpu_kernel.build_key() if dev.platform == "cpu" and cpu_kernel.available() else None
     parts = [model.config, drafter.config, params, dev.platform, getattr(dev, "device_kind", ""), jax.__version__,
-             jax.device_count(), sorted(acceptance.items()), COST_CONTEXT, COST_FORMAT, kernels]
+             jax.device_count(), sorted(acceptance.items()), lookup, COST_CONTEXT, COST_FORMAT, kernels]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 
 
-def costs(model, drafter, acceptance: dict[int, float]) -> dict:
+def costs(model, drafter, acceptance: dict[int, float], lookup: bool = True) -> dict:
     """measure_costs, remembered on disk (the cost of one compile per budget, paid once per machine)."""
     path = cache_dir() / "costs.json"
-    key = _key(model, drafter, acceptance)
+    key = _key(model, drafter, acceptance, lookup)
     try:
         known = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
@@ -155,7 +156,7 @@ def costs(model, drafter, acceptance: dict[int, float]) -> dict:
     logging.getLogger(__name__).warning(
         "jaxspec: timing speculative rounds at budgets %s for budget='auto' (once per machine; kept in %s)",
         sorted(acceptance), path)
-    c = measure_costs(model, drafter, acceptance)
+    c = measure_costs(model, drafter, acceptance, lookup)
     known[key] = c
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -173,11 +174,11 @@ def best_budget(acceptance: dict[int, float], ar_step_s: float, round_s: dict[in
     return max(speedup, key=lambda b: (speedup[b], -b)), speedup
 
 
-def choose(model, drafter) -> tuple[int, dict]:
+def choose(model, drafter, lookup: bool = True) -> tuple[int, dict]:
     """(budget, statistics) for budget="auto"."""
     table = drafter.acceptance
     if not table:
         return drafter.config.block_size - 1, {"budget_source": "default (the drafter ships no acceptance.json)"}
-    c = costs(model, drafter, table)
+    c = costs(model, drafter, table, lookup)
     b, speedup = best_budget(table, c["ar_step_s"], c["round_s"])
     return b, {"budget_source": "auto", "predicted_speedup": {str(k): round(v, 3) for k, v in sorted(speedup.items())}}

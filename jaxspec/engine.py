@@ -3,7 +3,8 @@ looped by `lax.while_loop`, so there is no host round trip per token or per roun
 
 One speculative round (batch 1, all static shapes):
   1. draft:  drafter.draft_logits: [bonus, MASK x (block_size-1)] at L.. over its context -> D distributions
-  2. tree:   build_tree (top-budget prefixes) or build_chain (DFlash) -> N nodes with root = bonus
+  2. tree:   build_tree (top-budget prefixes) or build_chain (DFlash) -> N nodes with root = bonus,
+             where (lookup) the continuation of the context's last n-gram before competes for the nodes
   3. verify: one target forward over the N nodes at positions L + depth with the ancestor mask and parents
   4. accept: walk the tree along the target's argmax (or one target sample per node)
   5. commit: the cache keeps the accepted path, the drafter context gets its taps, L += k + 1
@@ -26,10 +27,11 @@ from flax import nnx
 
 from jaxspec.accept import accept_walk, node_targets
 from jaxspec.cache import Cache
+from jaxspec.lookup import chain_logprobs, lookup_chain
 from jaxspec.sampling import SamplingParams, sample
 from jaxspec.segment import Segment
 from jaxspec.sharding import Layout
-from jaxspec.tree import build_chain, build_tree, tree_segment
+from jaxspec.tree import add_chain, build_chain, build_tree, prune, tree_segment
 
 
 # ------------------------------------------------------------------------------------------ AR
@@ -146,6 +148,7 @@ class SpecSettings:
     kv_impl: str = "xla"  # the KV commit: "xla" | "pallas"
     layout: Layout | None = None  # the target's mesh and sharding rules (None: one device)
     draft_layout: Layout | None = None  # the drafter's
+    lookup: bool = False  # the context's continuation competes with the drafter's nodes (lookup.py)
 
     @property
     def depth(self) -> int:
@@ -155,6 +158,11 @@ class SpecSettings:
     def draft_depth(self) -> int:
         """Draft rows a round needs: a tree of `budget` nodes is at most `budget` deep."""
         return min(self.budget, self.depth) if self.method == "ddtree" else self.depth
+
+    @property
+    def nodes(self) -> int:
+        """Tree slots a round verifies, the root included."""
+        return (self.budget if self.method == "ddtree" else self.depth) + 1
 
 
 @jax.tree_util.register_dataclass
@@ -171,6 +179,7 @@ class SpecState:
     rounds: jax.Array  # [] speculative rounds (target verify forwards)
     accepted_hist: jax.Array  # [depth + 1] rounds that accepted k draft tokens
     tree_nodes: jax.Array  # [] valid non-root tree nodes verified, summed over rounds
+    history: jax.Array  # [max_len] the prompt, the committed tokens and the bonus, at their positions
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "max_len", "out_len", "settings"))
@@ -187,11 +196,13 @@ def spec_prefill(target_def, target_params, drafter_def, drafter_params, tokens,
     draft_cache = _pin(settings.draft_layout, drafter.append_context(draft_cache, taps, length))
     key, sub = jax.random.split(key)
     bonus = sample(logits[0, 0], sub, settings.sampling)
+    history = jnp.zeros((max_len,), jnp.int32).at[:P].set(tokens[0]).at[length].set(bonus)
     return SpecState(
         cache=_pin(settings.layout, cache.advance(length)), draft_cache=draft_cache, bonus=bonus,
         out=jnp.zeros((out_len,), jnp.int32).at[0].set(bonus), emitted=jnp.int32(1),
         done=jnp.isin(bonus, jnp.asarray(settings.eos, jnp.int32)) | (max_new <= 1), key=key, max_new=max_new,
         rounds=jnp.int32(0), accepted_hist=jnp.zeros((settings.depth + 1,), jnp.int32), tree_nodes=jnp.int32(0),
+        history=history,
     )
 
 
@@ -199,14 +210,17 @@ def spec_round(target, drafter, s: SpecState, settings: SpecSettings) -> SpecSta
     """One speculative round (see the module docstring)."""
     D = settings.depth
     L = s.cache.length
+    pos = L - s.cache.start[0]  # the bonus' position
     key, k_verify = jax.random.split(s.key)
     # 1-2. draft and build the tree (root = bonus)
     draft = drafter.draft_logits(target, s.draft_cache, s.bonus, L, settings.draft_depth)
     tree = build_tree(draft, settings.budget) if settings.method == "ddtree" else build_chain(draft)
+    if settings.lookup:  # the context's own continuation competes for the same nodes
+        chain, count, n = lookup_chain(s.history, pos + 1, D)
+        tree = prune(add_chain(tree, chain, count, chain_logprobs(n, D)), tree.tokens.shape[0] - 1)
     tokens = tree.tokens.at[0].set(s.bonus)
     # 3. verify all nodes in one forward: node i at position L + depth_i, seeing prefix + its ancestors
-    logits, taps, pending = target(tokens[None], tree_segment(tree, L - s.cache.start[0]), s.cache,
-                                   tap_layers=settings.tap_layers)
+    logits, taps, pending = target(tokens[None], tree_segment(tree, pos), s.cache, tap_layers=settings.tap_layers)
     # 4. accept
     target_tokens = node_targets(logits[0], k_verify, settings.sampling)
     path, k = accept_walk(tree, target_tokens, D)
@@ -224,6 +238,7 @@ def spec_round(target, drafter, s: SpecState, settings: SpecSettings) -> SpecSta
         out=jax.lax.dynamic_update_slice(s.out, new, (s.emitted,)),
         done=is_eos.any() | (emitted >= s.max_new), rounds=s.rounds + 1,
         accepted_hist=s.accepted_hist.at[k].add(1), tree_nodes=s.tree_nodes + tree.valid.sum() - 1,
+        history=jax.lax.dynamic_update_slice(s.history, new, (pos + 1,)),
     )
 
 

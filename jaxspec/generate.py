@@ -79,6 +79,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=_budget, metavar="N|auto",
                    help="DDTree node budget; auto (the default) picks the fastest from the drafter's measured "
                         "acceptance and this machine's verify cost")
+    p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
+                   help="also draft from the context's own repetitions (prompt lookup; same verify cost)")
     p.add_argument("--json", action="store_true", help="print text, token ids and stats as JSON, no streaming")
     return p
 
@@ -167,7 +169,8 @@ def run(args) -> None:
         budget = "auto"
     res = api.generate(model, prompt, drafter=drafter, method=args.method,
                           budget=budget, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat, on_tokens=stream)
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat, on_tokens=stream,
+                          lookup=args.lookup)
     if args.json:
         print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": res.stats}))
         return

@@ -131,3 +131,55 @@ def build_chain(draft_logits: jax.Array) -> Tree:
         valid=jnp.ones((D + 1,), bool),
         scores=jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(lp[:, 0])]),
     )
+
+
+
+def add_chain(tree: Tree, chain: jax.Array, count, logprobs: jax.Array) -> Tree:
+    """Merge the path root -> chain[0] -> .. -> chain[count - 1] into `tree`. N -> N + M nodes (M = chain length).
+
+    The chain follows the tree's nodes while their tokens agree and becomes new nodes where it leaves it, so
+    siblings keep distinct tokens (accept_walk relies on it). logprobs [M]: log-probability of each chain
+    token given the previous ones; a chain node scores its path's sum, a node on both keeps the higher score,
+    so scores still never grow from parent to child (prune relies on it). Unused slots are invalid padding.
+    """
+    N, M = tree.tokens.shape[0], chain.shape[0]
+    tokens = jnp.concatenate([tree.tokens, jnp.zeros((M,), jnp.int32)])
+    parents = jnp.concatenate([tree.parents, jnp.zeros((M,), jnp.int32)])
+    depths = jnp.concatenate([tree.depths, jnp.ones((M,), jnp.int32)])
+    valid = jnp.concatenate([tree.valid, jnp.zeros((M,), bool)])
+    scores = jnp.concatenate([tree.scores, jnp.full((M,), -jnp.inf, jnp.float32)])
+    ids = jnp.arange(N + M)
+
+    def step(i, carry):
+        cur, path_score, tokens, parents, depths, valid, scores = carry
+        live, tok, slot = i < count, chain[i], N + i
+        path_score = path_score + logprobs[i]
+        same = valid & (parents == cur) & (tokens == tok) & (ids > 0)
+        new = live & ~same.any()
+        nxt = jnp.where(new, slot, jnp.argmax(same)).astype(jnp.int32)
+        tokens, valid = tokens.at[slot].set(jnp.where(new, tok, 0)), valid.at[slot].set(new)
+        parents, depths = parents.at[slot].set(jnp.where(new, cur, 0)), depths.at[slot].set(
+            jnp.where(new, depths[cur] + 1, 1))
+        scores = jnp.where(live & (ids == nxt), jnp.maximum(scores, path_score), scores)
+        return jnp.where(live, nxt, cur), path_score, tokens, parents, depths, valid, scores
+
+    carry = (jnp.int32(0), jnp.float32(0.0), tokens, parents, depths, valid, scores)
+    _, _, tokens, parents, depths, valid, scores = jax.lax.fori_loop(0, M, step, carry)
+    return Tree(tokens=tokens, parents=parents, depths=depths, valid=valid, scores=scores)
+
+
+def prune(tree: Tree, budget: int) -> Tree:
+    """The `budget` highest-scoring non-root nodes of `tree`, renumbered in their old order. -> N = budget + 1.
+
+    As scores never grow from parent to child and `lax.top_k` breaks ties to the lower index (a parent's),
+    the kept set is prefix-closed. Invalid nodes score -inf and are kept only when too few are valid.
+    """
+    N = tree.tokens.shape[0]
+    score = jnp.where(tree.valid, tree.scores, -jnp.inf)[1:]
+    _, keep = lax.top_k(score, budget)
+    ids = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.sort(keep).astype(jnp.int32) + 1])  # [budget + 1]
+    new_id = jnp.zeros((N,), jnp.int32).at[ids].set(jnp.arange(budget + 1, dtype=jnp.int32))
+    valid = tree.valid[ids]
+    return Tree(tokens=jnp.where(valid, tree.tokens[ids], 0), parents=jnp.where(valid, new_id[tree.parents[ids]], 0),
+                depths=jnp.where(valid, tree.depths[ids], 1).at[0].set(0), valid=valid,
+                scores=jnp.where(valid, tree.scores[ids], -jnp.inf).at[0].set(0.0))

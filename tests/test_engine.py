@@ -12,6 +12,7 @@ from jaxspec import api, engine
 from jaxspec.checkpoint import WeightsError
 from jaxspec.config import ConfigError, dense_config_from_dict
 from jaxspec.testing import oracle_drafter
+from test_lookup import lookup_reference
 from jaxspec.segment import Segment
 from jaxspec.tree import build_tree, tree_segment
 
@@ -83,14 +84,18 @@ def test_tree_oracle(target, budget):
         np.testing.assert_allclose(np.asarray(logits[0, nodes]), want, atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 1), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64)])
-def test_lossless_greedy_oracle(target, ar_ref, method, budget):
+@pytest.mark.parametrize("method,budget,lookup", [("dflash", None, False), ("ddtree", 1, False), ("ddtree", 4, False),
+                                                  ("ddtree", 16, False), ("ddtree", 64, False), ("dflash", None, True),
+                                                  ("ddtree", 4, True)])
+def test_lossless_greedy_oracle(target, ar_ref, method, budget, lookup):
     d = oracle_drafter(target, PROMPT + ar_ref, noise=0.3, max_rank=3)
-    res = jaxspec.generate(target, input_ids=PROMPT, drafter=d, method=method, budget=budget, max_new_tokens=200)
+    res = jaxspec.generate(target, input_ids=PROMPT, drafter=d, method=method, budget=budget, max_new_tokens=200,
+                           lookup=lookup)
     assert res.token_ids == ar_ref
     assert res.stats["acceptance_length"] > 1.5  # the oracle really is accepted
     if budget is not None and budget >= 16:  # wide trees catch demoted tokens: better than the chain
-        chain = jaxspec.generate(target, input_ids=PROMPT, drafter=d, method="dflash", max_new_tokens=200)
+        chain = jaxspec.generate(target, input_ids=PROMPT, drafter=d, method="dflash", max_new_tokens=200,
+                                 lookup=lookup)
         assert res.stats["acceptance_length"] > chain.stats["acceptance_length"]
 
 
@@ -110,6 +115,29 @@ def test_lossless_greedy_random_drafter(target, ar_ref, method, budget):
     d = jaxspec.init_drafter(target, num_layers=1, block_size=8, seed=3)
     res = jaxspec.generate(target, input_ids=PROMPT, drafter=d, method=method, budget=budget, max_new_tokens=64)
     assert res.token_ids == ar_ref[:64]
+
+
+def test_lookup_in_the_loop(target, ar_ref):
+    """Prompt lookup inside the decode loop: with a random drafter, whose few-percent guesses a lookup chain
+    outscores, every round accepts at least as far as the chain the lookup reference copies from the context
+    agrees with the output, and more tokens per round than without lookup."""
+    d = jaxspec.init_drafter(target, num_layers=1, block_size=8, seed=3)
+    chunks = []
+    res = jaxspec.generate(target, input_ids=PROMPT, drafter=d, method="ddtree", budget=32, lookup=True,
+                           max_new_tokens=100, on_tokens=lambda t: chunks.append(len(t)), chunk_tokens=1)
+    out = res.token_ids
+    assert out == ar_ref[:100]
+    p, chained = chunks[0], 0
+    for c in chunks[1:]:  # c = 1 + the round's accepted drafts (the last round may be cut at max_new_tokens)
+        want, _ = lookup_reference(PROMPT + out[:p], 7)
+        agree = 0 if want is None else next((i for i, (a, b) in enumerate(zip(want, out[p:])) if a != b),
+                                            min(7, len(out) - p))
+        assert c >= min(agree + 1, len(out) - p)
+        chained, p = chained + agree, p + c
+    assert chained > 0
+    plain = jaxspec.generate(target, input_ids=PROMPT, drafter=d, method="ddtree", budget=32, max_new_tokens=100,
+                             lookup=False)
+    assert res.stats["acceptance_length"] > plain.stats["acceptance_length"]
 
 
 def test_stops_mid_round(target, ar_ref):

@@ -268,21 +268,24 @@ def spec_levels(family, scale, seed, temperature, top_k, top_p, prompt):
     return levels, list(greedy)
 
 
-@pytest.mark.parametrize("family,method,budget,noise,temperature,top_k,top_p,scale,seed,prompt,runs", [
-    ("qwen3", "dflash", None, 0.0, 0.7, 6, 0.9, 4.0, 7, PROMPT, SPEC_SEEDS),
+@pytest.mark.parametrize("family,method,budget,noise,temperature,top_k,top_p,scale,seed,prompt,runs,lookup", [
+    ("qwen3", "dflash", None, 0.0, 0.7, 6, 0.9, 4.0, 7, PROMPT, SPEC_SEEDS, False),
     # noise: the right token is often a second child
-    ("qwen3", "ddtree", 8, 0.5, 0.5, 8, 0.9, 4.0, 7, PROMPT, SPEC_SEEDS),
-    ("qwen3", "ddtree", 8, 0.5, 1.3, 10, 0.95, 5.0, 11, REPEAT_PROMPT, SPEC_SEEDS),
+    ("qwen3", "ddtree", 8, 0.5, 0.5, 8, 0.9, 4.0, 7, PROMPT, SPEC_SEEDS, False),
+    ("qwen3", "ddtree", 8, 0.5, 1.3, 10, 0.95, 5.0, 11, REPEAT_PROMPT, SPEC_SEEDS, False),
+    # prompt lookup with a random drafter: the accepted drafts are chains copied from the repeating context
+    ("qwen3", "ddtree", 8, None, 0.8, 10, 0.95, 5.0, 11, REPEAT_PROMPT + [112, 112], 2000, True),
     # hybrid GDN + MoE: a tree node's GDN state and conv window follow its ancestors only (never its siblings), and
     # the commit folds the accepted path's writes into the state; a chain runs the chunked causal form instead
-    ("qwen3_next", "ddtree", 8, 0.5, 0.7, 6, 0.9, 2.5, 1, PROMPT, SPEC_SEEDS),
-    ("qwen3_next", "dflash", None, 0.0, 0.7, 6, 0.9, 2.5, 1, PROMPT, 1000),
+    ("qwen3_next", "ddtree", 8, 0.5, 0.7, 6, 0.9, 2.5, 1, PROMPT, SPEC_SEEDS, False),
+    ("qwen3_next", "dflash", None, 0.0, 0.7, 6, 0.9, 2.5, 1, PROMPT, 1000, False),
     # MLA + MoE: absorbed verify against the expanded reference, group-limited routing with a biased selection
-    ("deepseek_v3", "ddtree", 8, 0.5, 1.2, 8, 0.9, 2.0, 0, PROMPT, SPEC_SEEDS),
-    ("deepseek_v3", "dflash", None, 0.0, 1.2, 8, 0.9, 2.0, 0, PROMPT, 1000),
-], ids=["dflash", "ddtree", "ddtree-repeat", "qwen3_next-ddtree", "qwen3_next-dflash", "deepseek_v3-ddtree",
-        "deepseek_v3-dflash"])
-def test_lossless_sampling_pairs(family, method, budget, noise, temperature, top_k, top_p, scale, seed, prompt, runs):
+    ("deepseek_v3", "ddtree", 8, 0.5, 1.2, 8, 0.9, 2.0, 0, PROMPT, SPEC_SEEDS, False),
+    ("deepseek_v3", "dflash", None, 0.0, 1.2, 8, 0.9, 2.0, 0, PROMPT, 1000, False),
+], ids=["dflash", "ddtree", "ddtree-repeat", "ddtree-repeat-lookup", "qwen3_next-ddtree", "qwen3_next-dflash",
+        "deepseek_v3-ddtree", "deepseek_v3-dflash"])
+def test_lossless_sampling_pairs(family, method, budget, noise, temperature, top_k, top_p, scale, seed, prompt, runs,
+                                 lookup):
     """Speculative sampling with temperature, top-k and top-p: tokens 1-5, and each consecutive pair of them,
     follow the exact target distribution (`runs` fixed seeds; fewer for the other families' DFlash chains, whose
     tree-free verify the DDTree cases' chi-square does not need to repeat at full power). With blocks of 4, round 1
@@ -292,11 +295,13 @@ def test_lossless_sampling_pairs(family, method, budget, noise, temperature, top
     One test for every family: the exact reference is model.logits (a plain causal forward), never the engine."""
     model = spec_target(family, scale, seed)
     levels, greedy = spec_levels(family, scale, seed, temperature, top_k, top_p, tuple(prompt))
-    d = oracle_drafter(model, prompt + greedy, noise=noise, max_rank=2, block_size=SPEC_BLOCK)
+    d = (oracle_drafter(model, prompt + greedy, noise=noise, max_rank=2, block_size=SPEC_BLOCK) if noise is not None
+         else jaxspec.init_drafter(model, num_layers=1, block_size=SPEC_BLOCK, seed=0))
     samples, hist, full_first = [], np.zeros(SPEC_BLOCK, int), 0
     for s in range(runs):
         r = jaxspec.generate(model, input_ids=prompt, drafter=d, method=method, budget=budget,
-                             max_new_tokens=SPEC_BLOCK + 1, temperature=temperature, top_k=top_k, top_p=top_p, seed=s)
+                             max_new_tokens=SPEC_BLOCK + 1, temperature=temperature, top_k=top_k, top_p=top_p, seed=s,
+                             lookup=lookup)
         samples.append(r.token_ids)
         hist += r.stats["accepted_length_histogram"]
         full_first += r.stats["rounds"] == 1  # 1 round = round 1 accepted all drafts: token 5 is its bonus

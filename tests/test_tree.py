@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxspec.tree import Tree, ancestor_mask, build_chain, build_tree
+from jaxspec.tree import Tree, add_chain, ancestor_mask, build_chain, build_tree, prune
 
 
 def build_tree_heap(draft_logits: np.ndarray, budget: int):
@@ -183,3 +183,54 @@ def test_exact_ties(budget):
     _, _, _, h_score = build_tree_heap(logits, budget)
     np.testing.assert_allclose(np.sort(a["scores"][1:]), np.sort(h_score), rtol=1e-5, atol=1e-5)
     assert len(set(paths(a["tokens"], a["parents"]))) == budget + 1  # no path kept twice
+
+
+def chain_case(seed: int, budget: int = 6, D: int = 5, V: int = 6):
+    """A drafter tree and a chain that follows one of its paths for a while, then leaves it."""
+    rng = np.random.default_rng(seed)
+    tree = jit_build(budget)((rng.standard_normal((D, V)) * 2.0).astype(np.float32))
+    t = host(tree)
+    nodes = paths(t["tokens"], t["parents"])
+    follow = list(nodes[rng.integers(0, budget + 1)])[: rng.integers(0, D + 1)]
+    chain = np.array(follow + list(rng.integers(0, V, D - len(follow))), np.int32)
+    count = int(rng.integers(0, D + 1))
+    logprobs = np.log(rng.uniform(0.05, 0.99, D)).astype(np.float32)
+    return tree, chain, count, logprobs
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_add_chain_is_the_union(seed):
+    """The merged tree holds the drafter tree's paths and the chain's prefixes, each once, with the higher of
+    its two scores (a chain prefix scores its log-probs' sum)."""
+    tree, chain, count, lp = chain_case(seed)
+    t, m = host(tree), host(jax.jit(add_chain)(tree, chain, count, lp))
+    want = {p: s for p, s, ok in zip(paths(t["tokens"], t["parents"]), t["scores"], t["valid"]) if ok}
+    for i in range(1, count + 1):
+        p = tuple(int(x) for x in chain[:i])
+        want[p] = max(want.get(p, -np.inf), float(lp[:i].sum()))
+    v = m["valid"]
+    got = [(p, s) for p, s, ok in zip(paths(m["tokens"], m["parents"]), m["scores"], v) if ok]
+    assert len(got) == len(want) and dict(got).keys() == want.keys()  # no path twice
+    np.testing.assert_allclose([s for _, s in got], [want[p] for p, _ in got], rtol=1e-5)
+    assert (m["depths"][v] == [len(p) for p, _ in got]).all()
+    assert (m["parents"][1:] < np.arange(1, len(v))).all() and v[m["parents"][v]].all()
+    assert (m["scores"][v] <= m["scores"][m["parents"][v]]).all()
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("budget", [1, 3, 6])
+def test_prune_keeps_the_best(seed, budget):
+    """prune(b) keeps b of the merged tree's paths, prefix-closed, none scoring below one it dropped."""
+    tree, chain, count, lp = chain_case(seed)
+    merged = jax.jit(add_chain)(tree, chain, count, lp)
+    m, p = host(merged), host(jax.jit(prune, static_argnums=1)(merged, budget))
+    before = {q: s for q, s, ok in zip(paths(m["tokens"], m["parents"]), m["scores"], m["valid"]) if ok}
+    kept = {q: s for q, s, ok in zip(paths(p["tokens"], p["parents"]), p["scores"], p["valid"]) if ok}
+    assert all(v.shape == (budget + 1,) for v in p.values())
+    assert len(kept) == min(budget, len(before) - 1) + 1 and kept.keys() <= before.keys()
+    assert all(q[:-1] in kept for q in kept if q)  # prefix-closed
+    assert all(kept[q] == before[q] for q in kept)
+    dropped = [s for q, s in before.items() if q not in kept]
+    assert not dropped or min(s for q, s in kept.items() if q) >= max(dropped)
+    depth_of = [len(q) for q, ok in zip(paths(p["tokens"], p["parents"]), p["valid"]) if ok]
+    assert (p["depths"][p["valid"]] == depth_of).all()

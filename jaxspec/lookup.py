@@ -1,0 +1,60 @@
+"""Prompt lookup: a draft chain copied from the context itself, competing for the tree's budget.
+
+Small targets repeat themselves (lists, code, restated questions), and a repetition is something a
+learned drafter predicts poorly but the context spells out. At each round the longest suffix of the
+context (at most MAX_NGRAM tokens, the bonus included) is looked up at its latest earlier occurrence, and
+the tokens that followed it there form a chain below the root. Each chain token is scored with how often
+such a token is right (CHAIN_ACCURACY, by the matched length), the chain is merged into the drafter's tree
+(tree.add_chain) and the best `budget` nodes of the union are kept (tree.prune): the verify costs what it
+did without lookup, and chain nodes displace only draft nodes less likely to be accepted. The target
+verifies whatever is kept, so greedy output stays AR's and sampling keeps the target's distribution
+(accept.py's target-only rule accepts from any tree).
+
+Everything has static shapes: one vectorised comparison per n-gram length over the history buffer.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+MAX_NGRAM = 4  # the longest suffix looked up; shorter ones are tried when it never occurred before
+
+# P(chain token i right | the tokens before it right), row n - 1 for an n-token match, i = 0..6 (deeper
+# tokens reuse the last column): measured by bench/lookup_table.py on SmolLM2-135M-Instruct's greedy answers
+# to training prompts (data/smollm2-135m-instruct/selfinstruct4.s0.npz).
+CHAIN_ACCURACY = ((0.20, 0.56, 0.63, 0.66, 0.77, 0.78, 0.82),
+                  (0.54, 0.64, 0.69, 0.76, 0.79, 0.83, 0.86),
+                  (0.62, 0.69, 0.76, 0.80, 0.83, 0.86, 0.84),
+                  (0.87, 0.90, 0.92, 0.93, 0.94, 0.94, 0.95))
+
+
+def lookup_chain(history: jax.Array, n_valid, depth: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """history [H] int32, its first `n_valid` entries the context (prompt, committed tokens, bonus) ->
+    (chain [depth] int32, count int32 [], n int32 []): the tokens that followed the latest earlier occurrence
+    of the longest context suffix of n = MAX_NGRAM..1 tokens, as if the text were copied on from there (so a
+    copy that reaches the context's end repeats what it copied); count = depth, or count = n = 0 when no
+    suffix occurred before (the chain is then junk).
+    """
+    H = history.shape[0]
+    padded = jnp.concatenate([history, jnp.zeros((MAX_NGRAM,), history.dtype)])
+    j = jnp.arange(H)
+    start, found = jnp.int32(0), jnp.int32(0)
+    for n in range(MAX_NGRAM, 0, -1):  # longest first
+        suffix = jax.lax.dynamic_slice(padded, (jnp.maximum(n_valid - n, 0),), (n,))
+        same = jnp.ones((H,), bool)
+        for i in range(n):
+            same = same & (padded[i:i + H] == suffix[i])
+        last = jnp.max(jnp.where(same & (j < n_valid - n), j, -1))
+        take = (found == 0) & (last >= 0)
+        start, found = jnp.where(take, last + n, start), jnp.where(take, n, found)
+    # Past the context the repetition goes on: a token beyond it copies the one a period (n_valid - start) back.
+    idx, period = start + jnp.arange(depth), jnp.maximum(n_valid - start, 1)
+    idx = jnp.where(idx < n_valid, idx, n_valid - period + (idx - n_valid) % period)
+    return history[idx], jnp.where(found > 0, depth, 0).astype(jnp.int32), found
+
+
+def chain_logprobs(n, depth: int) -> jax.Array:
+    """[depth] log-probability of each chain token given the ones before, for an n-token match (n >= 1)."""
+    table = jnp.log(jnp.asarray(CHAIN_ACCURACY, jnp.float32))  # [MAX_NGRAM, 7]
+    cols = jnp.minimum(jnp.arange(depth), table.shape[1] - 1)
+    return table[jnp.clip(n - 1, 0, MAX_NGRAM - 1), cols]
