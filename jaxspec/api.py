@@ -219,7 +219,7 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
         rounds = int(to_host(state.rounds))
         forwards = rounds + 1
         stats.update(spec_stats(to_host(state.accepted_hist), rounds, len(ids[0]), budget, int(to_host(state.tree_nodes))),
-                     kv_commit=kv_commit)
+                     kv_commit=kv_commit, lookup=settings.lookup)
     new_tokens = sum(map(len, ids))
     decode_tokens = new_tokens - len(ids)  # the first token of each row comes from the prefill
     stats.update(

@@ -115,6 +115,10 @@ def test_ddtree_with_drafter(capsys, model_dir, drafter_dirs, reference):
     res = json.loads(out)
     assert res["stats"]["method"] == "ddtree" and res["stats"]["budget"] == 4
     assert res["token_ids"] == reference.token_ids  # lossless greedy
+    assert res["stats"]["lookup"] is True  # prompt lookup is on by default
+    rc, out, err = cli(capsys, *argv, "--json", "--no-lookup")
+    assert rc == 0, err
+    assert json.loads(out)["stats"]["lookup"] is False and json.loads(out)["token_ids"] == reference.token_ids
     rc, out, err = cli(capsys, *argv)
     assert (rc, out) == (0, reference.text + "\n"), err
     assert "acceptance length" in err.strip().splitlines()[-1]

@@ -291,6 +291,8 @@ def test_bad_inputs(tmp_path):
             jaxspec.generate(m, input_ids=PROMPT, drafter=d, method="ddtree", budget=b)
     with pytest.raises(ValueError, match="needs a drafter"):
         jaxspec.generate(m, input_ids=PROMPT, method="ddtree")
+    with pytest.raises(ValueError, match="lookup must be True or False"):
+        jaxspec.generate(m, input_ids=PROMPT, drafter=d, lookup=4)
     with pytest.raises(ValueError, match="one prompt at a time"):
         jaxspec.generate(m, input_ids=[PROMPT, PROMPT], drafter=d)
     with pytest.raises(ValueError, match="context"):
