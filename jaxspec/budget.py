@@ -70,10 +70,11 @@ def measure_costs(model, drafter, acceptance: dict[int, float], lookup: bool = T
     A round is everything `generate` pays for: the draft, the tree build (with `lookup`, the prompt lookup and
     its merge), the verify of 1 + b nodes, the acceptance walk and the commit; timing isolated forwards instead
     left the bookkeeping out and paid a dispatch per call. Budgets go in increasing order, each in `reps`
-    repetitions of `tokens` tokens interleaved with as many AR steps, and each keeps its fastest repetition (a shared machine's noise only
-    adds time) as a ratio to the fastest AR step of the same spell, as the machine's speed drifts between
-    spells. Rounds only grow with the tree, so the timing stops at the first budget whose round costs more
-    than even the table's best acceptance length could repay at the best rate found so far."""
+    repetitions of `tokens` tokens interleaved with as many AR steps, and each keeps its fastest repetition
+    (a shared machine's noise only adds time) as a ratio to the fastest AR step of the same spell, as the
+    machine's speed drifts between spells. Rounds only grow with the tree, so the timing stops at the first
+    budget whose round costs more than even the table's best acceptance length could repay at the best rate
+    found so far."""
     import numpy as np
 
     from jaxspec import engine

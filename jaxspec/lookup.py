@@ -10,7 +10,9 @@ did without lookup, and chain nodes displace only draft nodes less likely to be 
 verifies whatever is kept, so greedy output stays AR's and sampling keeps the target's distribution
 (accept.py's target-only rule accepts from any tree).
 
-Everything has static shapes: one vectorised comparison per n-gram length over the history buffer.
+Everything has static shapes and no loop: one [MAX_NGRAM, H] comparison against the history buffer finds the
+matches of every length at once (XLA:CPU compiles each op as a kernel of its own, and the decode loop is
+compiled for every budget, so a few whole-array ops beat a loop of small ones).
 """
 from __future__ import annotations
 
@@ -36,17 +38,14 @@ def lookup_chain(history: jax.Array, n_valid, depth: int) -> tuple[jax.Array, ja
     suffix occurred before (the chain is then junk).
     """
     H = history.shape[0]
-    padded = jnp.concatenate([history, jnp.zeros((MAX_NGRAM,), history.dtype)])
-    j = jnp.arange(H)
-    start, found = jnp.int32(0), jnp.int32(0)
-    for n in range(MAX_NGRAM, 0, -1):  # longest first
-        suffix = jax.lax.dynamic_slice(padded, (jnp.maximum(n_valid - n, 0),), (n,))
-        same = jnp.ones((H,), bool)
-        for i in range(n):
-            same = same & (padded[i:i + H] == suffix[i])
-        last = jnp.max(jnp.where(same & (j < n_valid - n), j, -1))
-        take = (found == 0) & (last >= 0)
-        start, found = jnp.where(take, last + n, start), jnp.where(take, n, found)
+    # For every end e of a window history[e - n:e]: does it match the context's last n tokens, n = 1..MAX_NGRAM?
+    t = jnp.arange(1, MAX_NGRAM + 1)[:, None]  # [G, 1] offset back from the end
+    e = jnp.arange(H)[None, :]  # [1, H] window end (exclusive): the copy starts there
+    back = history[jnp.clip(e - t, 0, H - 1)] == history[jnp.clip(n_valid - t, 0, H - 1)]  # [G, H]
+    same = jnp.cumprod(back, axis=0).astype(bool) & (e - t >= 0) & (e < n_valid)  # [G, H] row n-1: an n-gram match
+    last = jnp.max(jnp.where(same, e, -1), axis=1)  # [G] latest match end per n; -1: none
+    found = jnp.max(jnp.where(last >= 0, jnp.arange(1, MAX_NGRAM + 1), 0))  # the longest n that occurred before
+    start = jnp.where(found > 0, last[jnp.maximum(found - 1, 0)], 0)
     # Past the context the repetition goes on: a token beyond it copies the one a period (n_valid - start) back.
     idx, period = start + jnp.arange(depth), jnp.maximum(n_valid - start, 1)
     idx = jnp.where(idx < n_valid, idx, n_valid - period + (idx - n_valid) % period)

@@ -143,29 +143,25 @@ def add_chain(tree: Tree, chain: jax.Array, count, logprobs: jax.Array) -> Tree:
     so scores still never grow from parent to child (prune relies on it). Unused slots are invalid padding.
     """
     N, M = tree.tokens.shape[0], chain.shape[0]
-    tokens = jnp.concatenate([tree.tokens, jnp.zeros((M,), jnp.int32)])
-    parents = jnp.concatenate([tree.parents, jnp.zeros((M,), jnp.int32)])
-    depths = jnp.concatenate([tree.depths, jnp.ones((M,), jnp.int32)])
-    valid = jnp.concatenate([tree.valid, jnp.zeros((M,), bool)])
-    scores = jnp.concatenate([tree.scores, jnp.full((M,), -jnp.inf, jnp.float32)])
-    ids = jnp.arange(N + M)
-
-    def step(i, carry):
-        cur, path_score, tokens, parents, depths, valid, scores = carry
-        live, tok, slot = i < count, chain[i], N + i
-        path_score = path_score + logprobs[i]
-        same = valid & (parents == cur) & (tokens == tok) & (ids > 0)
-        new = live & ~same.any()
-        nxt = jnp.where(new, slot, jnp.argmax(same)).astype(jnp.int32)
-        tokens, valid = tokens.at[slot].set(jnp.where(new, tok, 0)), valid.at[slot].set(new)
-        parents, depths = parents.at[slot].set(jnp.where(new, cur, 0)), depths.at[slot].set(
-            jnp.where(new, depths[cur] + 1, 1))
-        scores = jnp.where(live & (ids == nxt), jnp.maximum(scores, path_score), scores)
-        return jnp.where(live, nxt, cur), path_score, tokens, parents, depths, valid, scores
-
-    carry = (jnp.int32(0), jnp.float32(0.0), tokens, parents, depths, valid, scores)
-    _, _, tokens, parents, depths, valid, scores = jax.lax.fori_loop(0, M, step, carry)
-    return Tree(tokens=tokens, parents=parents, depths=depths, valid=valid, scores=scores)
+    ids, depth = jnp.arange(N), jnp.arange(1, M + 1)  # depth [M]: chain token i sits at depth i + 1
+    live = depth <= count  # [M]
+    # A tree node is on the chain when every node on its path holds the chain's token at that depth. Siblings'
+    # tokens differ, so at most one node per depth is, and they form the chain's longest prefix in the tree.
+    d = jnp.clip(tree.depths - 1, 0, M - 1)
+    ok = (ids == 0) | (tree.valid & (tree.depths <= count) & (tree.tokens == chain[d]))  # [N]
+    on_chain = ~(ancestor_mask(tree) & ~ok[None, :]).any(1)  # [N]
+    match = on_chain[None, :] & (tree.depths[None, :] == depth[:, None])  # [M, N]
+    matched, node = match.any(1), jnp.argmax(match, axis=1)  # [M]
+    new = live & ~matched  # chain tokens past the shared prefix become nodes N + i
+    at = jnp.where(matched, node, N + jnp.arange(M)).astype(jnp.int32)  # [M] chain token i's node in the union
+    parent = jnp.concatenate([jnp.zeros((1,), jnp.int32), at[:-1]])  # [M] the root, then the previous token's
+    path_score = jnp.cumsum(logprobs)  # [M]
+    shared = jnp.max(jnp.where(match & live[:, None], path_score[:, None], -jnp.inf), axis=0)  # [N]
+    return Tree(tokens=jnp.concatenate([tree.tokens, jnp.where(new, chain, 0)]).astype(jnp.int32),
+                parents=jnp.concatenate([tree.parents, jnp.where(new, parent, 0)]),
+                depths=jnp.concatenate([tree.depths, jnp.where(new, depth, 1)]).astype(jnp.int32),
+                valid=jnp.concatenate([tree.valid, new]),
+                scores=jnp.concatenate([jnp.maximum(tree.scores, shared), jnp.where(new, path_score, -jnp.inf)]))
 
 
 def prune(tree: Tree, budget: int) -> Tree:

@@ -186,19 +186,29 @@ def test_exact_ties(budget):
 
 
 def chain_case(seed: int, budget: int = 6, D: int = 5, V: int = 6):
-    """A drafter tree and a chain that follows one of its paths for a while, then leaves it."""
+    """A drafter tree and a chain that follows one of its paths for a while, then leaves it. Seeds from 12 on:
+    one possible token per depth, never 0, so the tree has fewer than `budget` paths and an invalid padding node
+    (token 0 at depth 1), and the chain starts with token 0."""
     rng = np.random.default_rng(seed)
-    tree = jit_build(budget)((rng.standard_normal((D, V)) * 2.0).astype(np.float32))
+    logits = (rng.standard_normal((D, V)) * 2.0).astype(np.float32)
+    if seed >= 12:
+        logits[:] = -np.inf
+        logits[np.arange(D), rng.integers(1, V, D)] = 0.0
+    tree = jit_build(budget)(logits)
     t = host(tree)
     nodes = paths(t["tokens"], t["parents"])
-    follow = list(nodes[rng.integers(0, budget + 1)])[: rng.integers(0, D + 1)]
+    follow = [] if seed >= 12 else list(nodes[rng.integers(0, budget + 1)])[: rng.integers(0, D + 1)]
     chain = np.array(follow + list(rng.integers(0, V, D - len(follow))), np.int32)
+    if seed >= 12:
+        chain[0], count = 0, int(rng.integers(1, D + 1))
+        assert not host(tree)["valid"].all()
+        return tree, chain, count, np.log(rng.uniform(0.05, 0.99, D)).astype(np.float32)
     count = int(rng.integers(0, D + 1))
     logprobs = np.log(rng.uniform(0.05, 0.99, D)).astype(np.float32)
     return tree, chain, count, logprobs
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(16))
 def test_add_chain_is_the_union(seed):
     """The merged tree holds the drafter tree's paths and the chain's prefixes, each once, with the higher of
     its two scores (a chain prefix scores its log-probs' sum)."""
@@ -217,7 +227,7 @@ def test_add_chain_is_the_union(seed):
     assert (m["scores"][v] <= m["scores"][m["parents"][v]]).all()
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(16))
 @pytest.mark.parametrize("budget", [1, 3, 6])
 def test_prune_keeps_the_best(seed, budget):
     """prune(b) keeps b of the merged tree's paths, prefix-closed, none scoring below one it dropped."""
