@@ -189,21 +189,20 @@ def chain_case(seed: int, budget: int = 6, D: int = 5, V: int = 6):
     """A drafter tree and a chain that follows one of its paths for a while, then leaves it. Seeds from 12 on:
     one possible token per depth, never 0, so the tree has fewer than `budget` paths and an invalid padding node
     (token 0 at depth 1), and the chain starts with token 0."""
-    rng = np.random.default_rng(seed)
+    rng, sparse = np.random.default_rng(seed), seed >= 12
     logits = (rng.standard_normal((D, V)) * 2.0).astype(np.float32)
-    if seed >= 12:
+    if sparse:
         logits[:] = -np.inf
         logits[np.arange(D), rng.integers(1, V, D)] = 0.0
     tree = jit_build(budget)(logits)
     t = host(tree)
+    assert t["valid"].all() != sparse
     nodes = paths(t["tokens"], t["parents"])
-    follow = [] if seed >= 12 else list(nodes[rng.integers(0, budget + 1)])[: rng.integers(0, D + 1)]
+    follow = [] if sparse else list(nodes[rng.integers(0, budget + 1)])[: rng.integers(0, D + 1)]
     chain = np.array(follow + list(rng.integers(0, V, D - len(follow))), np.int32)
-    if seed >= 12:
-        chain[0], count = 0, int(rng.integers(1, D + 1))
-        assert not host(tree)["valid"].all()
-        return tree, chain, count, np.log(rng.uniform(0.05, 0.99, D)).astype(np.float32)
-    count = int(rng.integers(0, D + 1))
+    if sparse:
+        chain[0] = 0
+    count = int(rng.integers(int(sparse), D + 1))
     logprobs = np.log(rng.uniform(0.05, 0.99, D)).astype(np.float32)
     return tree, chain, count, logprobs
 
