@@ -48,8 +48,18 @@ def filtered_logits(logits: jax.Array, p: SamplingParams) -> jax.Array:
     return x
 
 
+def argmax(logits: jax.Array) -> jax.Array:
+    """`jnp.argmax(logits, -1)` as int32 (the first maximum; the first NaN if any), in two plain reductions: XLA:CPU
+    runs argmax's (value, index) reduction about 2x slower (1.06 ms against 0.53 for a 9-node verify's
+    [9, 49152] logits), and a greedy round takes one over every node."""
+    m = jnp.max(logits, axis=-1, keepdims=True)  # NaN if any is
+    hit = (logits == m) | jnp.isnan(logits)
+    V = logits.shape[-1]
+    return jnp.min(jnp.where(hit, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
+
+
 def sample(logits: jax.Array, key: jax.Array, p: SamplingParams) -> jax.Array:
     """logits [..., V] -> int32 tokens [...]; one independent draw per leading index."""
     if p.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return argmax(logits)
     return jax.random.categorical(key, filtered_logits(logits, p), axis=-1).astype(jnp.int32)

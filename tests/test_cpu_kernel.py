@@ -25,9 +25,9 @@ def assert_product(got, x, w):
 @pytest.mark.parametrize("layout", ["kn", "nk", "nk_rows"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 11, 13, 17])
 def test_dense_kernel_tiles_tails_and_threads(layout, rows):
-    """Groups of 1-5 (W [K, N]) or 1-6 (W [V, K]) input rows, and several groups split evenly, 70 inputs (a partial 32-input block and a partial
-    16-lane vector), 1500 outputs (partial 64-column tiles, a 4-row tail) split over XLA's threads, and a
-    gathered row subset with a repeated index."""
+    """Groups of 1-5 (W [K, N]) or 1-6 (W [V, K]) input rows, several groups split evenly, 70 inputs (a partial
+    32-input block and a partial 16-lane vector), 1500 outputs (partial 64-column tiles, a 4-row tail) split
+    over XLA's threads, and a gathered row subset with a repeated index."""
     rng = np.random.default_rng(rows)
     K, N = 70, 1500
     x = rng.normal(size=(rows, K)).astype(np.float32)
@@ -60,7 +60,8 @@ def test_dense_runs_the_kernel_only_where_it_pays():
     assert cpu_kernel.DENSE in hlo(lambda x, w: cpu_kernel.dense(x, w, nk=True, rows=idx), x(16), wt)
     assert cpu_kernel.DENSE not in hlo(cpu_kernel.dense, x(cpu_kernel.ROWS["kn"][1] + 1), w)
     assert cpu_kernel.DENSE not in hlo(cpu_kernel.dense, x(1), w)
-    assert cpu_kernel.DENSE not in hlo(lambda x, w: cpu_kernel.dense(x, w, nk=True), x(cpu_kernel.ROWS["nk"][1] + 1), wt)
+    too_many = x(cpu_kernel.ROWS["nk"][1] + 1)
+    assert cpu_kernel.DENSE not in hlo(lambda x, w: cpu_kernel.dense(x, w, nk=True), too_many, wt)
     assert cpu_kernel.DENSE not in hlo(cpu_kernel.dense, x(5).astype(jnp.bfloat16), w.astype(jnp.bfloat16))
 
     mesh = make_mesh(tp=8)
