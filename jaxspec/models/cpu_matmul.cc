@@ -506,8 +506,8 @@ void nk_tile_rows(const Dense& p, int64_t n0, int64_t m0, int64_t r) {
   nk_tile<NR, R>(p, n0, m0);
 }
 
-// Tiles of 4 outputs x up to 6 input rows (24 sums in registers), the rows split evenly (17 = 6 + 6 + 5, not
-// 6 + 6 + 5 + ... with a 1-row tail): later groups reread the tile's 4 weight rows from L1.
+// Tiles of 4 outputs x up to 6 input rows (24 sums in registers), the rows split evenly (13 = 4 + 4 + 5, not
+// 6 + 6 + 1): later groups reread the tile's 4 weight rows from L1.
 void nk_rows(const Dense& p, int64_t n0, int64_t n1) {
   const int64_t groups = (p.M + 5) / 6;
   for (int64_t n = n0; n < n1;) {
