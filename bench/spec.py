@@ -87,7 +87,8 @@ def component_times(model, drafter, budget, method, lookup, L=256, reps=30):
                                               settings.draft_depth)
 
     draft_logits = draft(tp, dp, state)
-    tree = build_tree(draft_logits, budget) if method == "ddtree" else build_chain(draft_logits)
+    ids = dc.draft_vocab or None
+    tree = build_tree(draft_logits, budget, ids) if method == "ddtree" else build_chain(draft_logits, ids)
 
     @jax.jit
     def verify(tp, cache, tree):

@@ -3,6 +3,7 @@ looped by `lax.while_loop`, so there is no host round trip per token or per roun
 
 One speculative round (batch 1, all static shapes):
   1. draft:  drafter.draft_logits: [bonus, MASK x (block_size-1)] at L.. over its context -> D distributions
+             (over its draft vocabulary, `config.draft_vocab`, when it has one)
   2. tree:   build_tree (top-budget prefixes) or build_chain (DFlash) -> N nodes with root = bonus,
              where (lookup) the continuation of the context's last n-gram before competes for the nodes
   3. verify: one target forward over the N nodes at positions L + depth with the ancestor mask and parents
@@ -214,7 +215,8 @@ def spec_round(target, drafter, s: SpecState, settings: SpecSettings) -> SpecSta
     key, k_verify = jax.random.split(s.key)
     # 1-2. draft and build the tree (root = bonus)
     draft = drafter.draft_logits(target, s.draft_cache, s.bonus, L, settings.draft_depth)
-    tree = build_tree(draft, settings.budget) if settings.method == "ddtree" else build_chain(draft)
+    ids = drafter.config.draft_vocab or None  # the draft columns' token ids
+    tree = build_tree(draft, settings.budget, ids) if settings.method == "ddtree" else build_chain(draft, ids)
     if settings.lookup:  # the context's own continuation competes for the same nodes
         chain, count, n = lookup_chain(s.history, pos + 1, D)
         tree = prune(add_chain(tree, chain, count, chain_logprobs(n, D)), tree.tokens.shape[0] - 1)

@@ -70,23 +70,26 @@ def tree_segment(tree: Tree, offset) -> Segment:
                    parents=parents[None].astype(jnp.int32), lengths=jnp.full((1,), N, jnp.int32))
 
 
-def _log_probs_top_k(draft_logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """Top-k of log_softmax per row without writing out [D, V] log-probs (top-k of logits, minus lse)."""
+def _log_probs_top_k(draft_logits: jax.Array, k: int, ids=None) -> tuple[jax.Array, jax.Array]:
+    """Top-k of log_softmax per row without writing out [D, V] log-probs (top-k of logits, minus lse), as
+    token ids (column j is token ids[j] when ids [V] is given)."""
     logits = draft_logits.astype(jnp.float32)
     vals, toks = lax.top_k(logits, k)  # [D, k]
+    toks = toks if ids is None else jnp.asarray(ids, jnp.int32)[toks]
     return vals - jax.nn.logsumexp(logits, axis=-1, keepdims=True), toks.astype(jnp.int32)
 
 
-def build_tree(draft_logits: jax.Array, budget: int) -> Tree:
+def build_tree(draft_logits: jax.Array, budget: int, ids=None) -> Tree:
     """DDTree: the `budget` highest joint-log-prob draft paths as a tree. draft_logits [D, V] -> N = budget + 1.
 
+    ids [V]: the token id of each column (a drafter's draft vocabulary); None: column v is token v.
     `budget` is static (it fixes every shape). Equal, as a set of paths with their scores, to the reference
     best-first heap (order aside, and up to which of exactly tied paths is kept). Tokens with -inf logits
     have zero probability and never become valid nodes.
     """
     D, V = draft_logits.shape
     W, K = budget, min(budget, V)  # beam width, candidate tokens per depth
-    lp, toks = _log_probs_top_k(draft_logits, K)  # [D, K]
+    lp, toks = _log_probs_top_k(draft_logits, K, ids)  # [D, K]
 
     def step(beam, lp_d):  # beam [W] scores of depth d-1 paths; lp_d [K]
         score, idx = lax.top_k((beam[:, None] + lp_d[None, :]).reshape(W * K), W)  # parent-major
@@ -119,10 +122,11 @@ def build_tree(draft_logits: jax.Array, budget: int) -> Tree:
     )
 
 
-def build_chain(draft_logits: jax.Array) -> Tree:
-    """DFlash's chain: the argmax token at every depth, each the child of the previous. N = D + 1."""
+def build_chain(draft_logits: jax.Array, ids=None) -> Tree:
+    """DFlash's chain: the argmax token at every depth, each the child of the previous. N = D + 1.
+    ids as in `build_tree`."""
     D = draft_logits.shape[0]
-    lp, toks = _log_probs_top_k(draft_logits, 1)  # [D, 1]
+    lp, toks = _log_probs_top_k(draft_logits, 1, ids)  # [D, 1]
     i = jnp.arange(D + 1, dtype=jnp.int32)
     return Tree(
         tokens=jnp.concatenate([jnp.zeros((1,), jnp.int32), toks[:, 0]]),

@@ -223,8 +223,10 @@ def test_draft_vocab(tmp_path, target, ar_ref):
     mod = d.module
     cache = mod.append_context(mod.init_cache(1, 32), jax.random.normal(jax.random.key(0), (1, 5, 64 * len(
         d.config.target_layer_ids))), 5)
-    logits = np.asarray(mod.draft_logits(target.module, cache, jnp.int32(PROMPT[0]), jnp.int32(5)))  # [7, V]
-    assert np.isneginf(np.delete(logits, vocab, axis=1)).all() and np.isfinite(logits[:, vocab]).all()
+    logits = np.asarray(mod.draft_logits(target.module, cache, jnp.int32(PROMPT[0]), jnp.int32(5)))  # [7, K]
+    assert logits.shape == (7, len(vocab)) and np.isfinite(logits).all()
+    tree = build_tree(jnp.asarray(logits), 16, vocab)
+    assert set(np.asarray(tree.tokens)[np.asarray(tree.valid)][1:]) <= set(vocab)  # proposes only its vocabulary
     for depth in (1, 3):  # DDTree's small budgets draft only their rows, which are the same rows
         cut = mod.draft_logits(target.module, cache, jnp.int32(PROMPT[0]), jnp.int32(5), depth)
         np.testing.assert_allclose(np.asarray(cut), logits[:depth], rtol=1e-6, atol=1e-6)

@@ -141,6 +141,25 @@ def test_masked_vocab():
     np.testing.assert_allclose(np.sort(t["scores"][t["valid"]]), np.sort(np.r_[0.0, h_score]), rtol=1e-5)
 
 
+@pytest.mark.parametrize("budget", [1, 5, 16])
+def test_draft_vocabulary_columns(budget):
+    """Logits over a draft vocabulary (column j is token ids[j], ids unsorted) give the heap's tree over the
+    full vocabulary with -inf outside it: the same token paths and scores, for the tree and for the chain."""
+    rng = np.random.default_rng(9)
+    V, ids = 300, rng.choice(300, 40, replace=False)
+    narrow = (rng.standard_normal((6, 40)) * rng.uniform(0.5, 4.0, (6, 1))).astype(np.float32)
+    full = np.full((6, V), -np.inf, np.float32)
+    full[:, ids] = narrow
+    t = host(jax.jit(build_tree, static_argnums=1)(narrow, budget, ids))
+    h_tok, h_par, _, h_score = build_tree_heap(full, budget)
+    want = dict(zip(paths(np.r_[0, h_tok], np.r_[0, h_par]), np.r_[0.0, h_score]))
+    got = dict(zip(paths(t["tokens"], t["parents"]), t["scores"]))
+    assert got.keys() == want.keys()
+    np.testing.assert_allclose([got[p] for p in want], list(want.values()), rtol=1e-5, atol=1e-5)
+    chain = host(jax.jit(build_chain)(narrow, ids))
+    np.testing.assert_array_equal(chain["tokens"], np.r_[0, full.argmax(-1)])
+
+
 def test_peaked_gives_spine_flat_gives_fan():
     rng = np.random.default_rng(1)
     D, V, budget = 15, 128, 16
