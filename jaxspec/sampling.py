@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jaxspec.models import cpu_kernel
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -49,9 +51,14 @@ def filtered_logits(logits: jax.Array, p: SamplingParams) -> jax.Array:
 
 
 def argmax(logits: jax.Array) -> jax.Array:
-    """`jnp.argmax(logits, -1)` as int32 (the first maximum; the first NaN if any), in two plain reductions: XLA:CPU
-    runs argmax's (value, index) reduction about 2x slower (1.06 ms against 0.53 for a 9-node verify's
-    [9, 49152] logits), and a greedy round takes one over every node."""
+    """`jnp.argmax(logits, -1)` as int32 (the first maximum; the first NaN if any). A greedy round takes one over
+    every node's logits; on a CPU the native kernel does it (0.24 ms against XLA's 1.3 for a 9-node verify's
+    [9, 49152] inside a round), elsewhere two plain reductions, which XLA:CPU runs about 2x faster than
+    argmax's (value, index) reduction."""
+    return cpu_kernel.argmax(logits, _argmax_xla)
+
+
+def _argmax_xla(logits: jax.Array) -> jax.Array:
     m = jnp.max(logits, axis=-1, keepdims=True)  # NaN if any is
     hit = (logits == m) | jnp.isnan(logits)
     V = logits.shape[-1]

@@ -14,9 +14,10 @@ import scipy.stats
 
 import jaxspec
 from jaxspec.config import dense_config_from_dict
+from jaxspec.models import cpu_kernel
 from jaxspec.models.deepseek import deepseek_config_from_dict
 from jaxspec.models.qwen3_next import hybrid_config_from_dict
-from jaxspec.sampling import SamplingParams, argmax, filtered_logits
+from jaxspec.sampling import SamplingParams, _argmax_xla, argmax, filtered_logits
 from jaxspec.testing import oracle_drafter
 from test_cache import GDN, MLA
 from test_engine import BASE, PROMPT, TINY, tiny_target
@@ -91,17 +92,21 @@ def test_filtered_logits_matches_transformers(temperature, top_k, top_p, ties):
     np.testing.assert_allclose(probs, softmax64(np.where(closed, tempered, -np.inf)), atol=1e-6)
 
 
-def test_argmax_is_numpys():
-    """The greedy token: numpy's argmax (the first maximum, the first NaN if any) on random rows, rows with tied
-    maxima, -inf everywhere, NaNs, and leading batch dims."""
+@pytest.mark.parametrize("V", [1, 13, 257])
+def test_argmax_is_numpys(V):
+    """The greedy token, on the CPU kernel and in XLA's form: numpy's argmax (the first maximum, the first NaN
+    if any) on random rows, rows with tied maxima, -inf everywhere, NaNs, and leading batch dims."""
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(3, 5, 257)).astype(np.float32)
-    x[0, 1, [7, 3, 200]] = 9.0  # ties: the first wins
+    x = rng.normal(size=(3, 5, V)).astype(np.float32)
+    x[0, 1, [v % V for v in (7, 3, 200)]] = 9.0  # ties: the first wins
     x[0, 2] = -np.inf
-    x[1, 0, [50, 9]] = np.nan
-    x[1, 1, 4] = np.inf
-    x[2] = rng.integers(0, 3, size=(5, 257))  # many ties
-    np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(jnp.asarray(x))), np.argmax(x, axis=-1))
+    x[1, 0, [50 % V, 9 % V]] = np.nan
+    x[1, 1, 4 % V] = np.inf
+    x[1, 2, V - 1] = np.nan  # in the last block's tail
+    x[2] = rng.integers(0, 3, size=(5, V))  # many ties
+    for f in (argmax, _argmax_xla):
+        np.testing.assert_array_equal(np.asarray(jax.jit(f)(jnp.asarray(x))), np.argmax(x, axis=-1))
+    assert "jaxspec_argmax" in jax.jit(argmax).lower(jnp.asarray(x)).as_text() or not cpu_kernel.usable(x)
 
 
 def test_filter_edge_cases():

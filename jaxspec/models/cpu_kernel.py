@@ -33,6 +33,7 @@ from jaxspec.budget import cache_dir
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGET = "jaxspec_packed_matmul"
 DENSE = "jaxspec_dense_matmul"
+ARGMAX = "jaxspec_argmax"
 
 
 def _host() -> str:
@@ -81,6 +82,7 @@ def available() -> bool:
         return _unavailable(str(e))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jaxspec_packed_matmul), platform="cpu")
     jax.ffi.register_ffi_target(DENSE, jax.ffi.pycapsule(lib.jaxspec_dense_matmul), platform="cpu")
+    jax.ffi.register_ffi_target(ARGMAX, jax.ffi.pycapsule(lib.jaxspec_argmax), platform="cpu")
     return True
 
 
@@ -152,6 +154,20 @@ def dense_kernel(x: jax.Array, w: jax.Array, *, nk: bool = False, rows: jax.Arra
         raise RuntimeError("the CPU matmul kernel is unavailable (see the notice above)")
     idx = jnp.zeros((1,), jnp.int32) if rows is None else rows.astype(jnp.int32)
     return _dense_kernel(x, w, idx, nk, rows is not None)
+
+
+def argmax(x: jax.Array, xla) -> jax.Array:
+    """Row-wise argmax of float32 x [..., V] -> int32 [...] on the kernel (the first maximum, the first NaN if
+    any: jnp.argmax's rule) where it may run here, else `xla(x)`."""
+    if not (x.dtype == jnp.float32 and x.shape[-1] >= 1 and usable(x)):
+        return xla(x)
+    m = int(np.prod(x.shape[:-1]))
+
+    def kernel(x):
+        call = jax.ffi.ffi_call(ARGMAX, jax.ShapeDtypeStruct((m,), jnp.int32), vmap_method="sequential")
+        return call(x.reshape(m, x.shape[-1])).reshape(x.shape[:-1])
+
+    return on_cpu(kernel, xla, x)
 
 
 def _dense_xla(x, w, rows, nk, preferred_element_type=None):

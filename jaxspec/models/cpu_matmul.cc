@@ -559,6 +559,45 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   return ffi::Error::Success();
 }
 
+// Row-wise argmax: x [M, V] -> y [M] int32, the first maximum, or the first NaN when a row has one (the rule of
+// jnp.argmax). XLA:CPU forms it from a max reduction and an index reduction over an [M, V] mask it writes out:
+// 1.3 ms for a 9-node verify's [9, 49152] logits inside a round, where this reads each row twice from cache.
+ffi::Error Argmax(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> y) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2 || xd[1] < 1 || y->element_count() != xd[0])
+    return ffi::Error::InvalidArgument("argmax: expects x [M, V] with V >= 1 and y [M]");
+  const int64_t M = xd[0], V = xd[1];
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = x.typed_data() + m * V;
+    int64_t at = 0;
+#if defined(__AVX512F__)
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
+    for (int64_t k = 0; k < V; k += 16) {
+      const __mmask16 in = static_cast<__mmask16>((1u << std::min<int64_t>(16, V - k)) - 1);
+      const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), in, r + k);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      best = _mm512_max_ps(best, v);
+    }
+    const float top = _mm512_reduce_max_ps(best);
+    for (int64_t k = 0; k < V; k += 16) {  // the first NaN if there is one, else the first lane equal to the max
+      const __mmask16 in = static_cast<__mmask16>((1u << std::min<int64_t>(16, V - k)) - 1);
+      const __m512 v = _mm512_maskz_loadu_ps(in, r + k);
+      const __mmask16 hit = in & (nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, _mm512_set1_ps(top), _CMP_EQ_OQ));
+      if (hit) {
+        at = k + __builtin_ctz(hit);
+        break;
+      }
+    }
+#else
+    for (int64_t k = 1; k < V && r[at] == r[at]; ++k)
+      if (r[k] > r[at] || r[k] != r[k]) at = k;
+#endif
+    y->typed_data()[m] = static_cast<int32_t>(at);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxspec_packed_matmul, PackedMatmul,
@@ -581,3 +620,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxspec_dense_matmul, DenseMatmul,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("nk")
                                   .Attr<bool>("gather"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxspec_argmax, Argmax,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>());
