@@ -1,11 +1,11 @@
 """Draft trees: DDTree's best-`budget` prefix tree, and the DFlash chain as its degenerate case.
 
 The drafter gives one distribution per depth, `draft_logits [D, V]` (row d is the token at depth d+1
-below the root), and a path's score is the sum of its per-depth log-probs. DDTree keeps the `budget`
+below the root; the columns may be a draft vocabulary's, named by `ids`), and a path's score is the sum of its per-depth log-probs. DDTree keeps the `budget`
 highest-scoring paths; because a child never scores above its parent the set is prefix-closed, i.e. a
 tree. The reference pops a best-first heap on the host; here the same set comes from static shapes:
 
-  1. per-depth top-K on the full vocab once (K = min(budget, V)): a kept depth-d token has rank < K,
+  1. per-depth top-K over the columns once (K = min(budget, V)): a kept depth-d token has rank < K,
      else K siblings would beat it;
   2. a beam per depth, beam_d = top-budget of beam_{d-1} x top-K(d): a kept depth-d node's parent is in
      beam_{d-1}, else `budget` better depth-(d-1) nodes each have a better child;
