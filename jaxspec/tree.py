@@ -1,9 +1,10 @@
 """Draft trees: DDTree's best-`budget` prefix tree, and the DFlash chain as its degenerate case.
 
 The drafter gives one distribution per depth, `draft_logits [D, V]` (row d is the token at depth d+1
-below the root; the columns may be a draft vocabulary's, named by `ids`), and a path's score is the sum of its per-depth log-probs. DDTree keeps the `budget`
-highest-scoring paths; because a child never scores above its parent the set is prefix-closed, i.e. a
-tree. The reference pops a best-first heap on the host; here the same set comes from static shapes:
+below the root; the columns may be a draft vocabulary's, named by `ids`), and a path's score is the sum
+of its per-depth log-probs. DDTree keeps the `budget` highest-scoring paths; because a child never
+scores above its parent the set is prefix-closed, i.e. a tree. The reference pops a best-first heap on
+the host; here the same set comes from static shapes:
 
   1. per-depth top-K over the columns once (K = min(budget, V)): a kept depth-d token has rank < K,
      else K siblings would beat it;

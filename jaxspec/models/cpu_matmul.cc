@@ -583,7 +583,8 @@ ffi::Error Argmax(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> y) {
     for (int64_t k = 0; k < V; k += 16) {  // the first NaN if there is one, else the first lane equal to the max
       const __mmask16 in = static_cast<__mmask16>((1u << std::min<int64_t>(16, V - k)) - 1);
       const __m512 v = _mm512_maskz_loadu_ps(in, r + k);
-      const __mmask16 hit = in & (nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, _mm512_set1_ps(top), _CMP_EQ_OQ));
+      const __mmask16 hit = in & (nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
+                                      : _mm512_cmp_ps_mask(v, _mm512_set1_ps(top), _CMP_EQ_OQ));
       if (hit) {
         at = k + __builtin_ctz(hit);
         break;
