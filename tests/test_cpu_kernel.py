@@ -93,3 +93,71 @@ def test_dense_gradient_equals_xlas(nk):
     assert cpu_kernel.DENSE in hlo(jax.grad(loss(lambda x, w: cpu_kernel.dense(x, w, nk=nk, rows=rows))), x, w)
     for a, b in zip(ours, ref):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+def attention_f64(q, k_old, v_old, k_new, v_new, length, mask, scale, softcap):
+    """Float64 reference of the cache attention: old slot j seen when j < length and mask[j], new key i when
+    mask[s0 + i] (s0 = length clamped to T - N, as XLA's dynamic slice does); nothing seen: the mean of all
+    T + N values (a -1e30 fill's softmax)."""
+    q, k_old, v_old, k_new, v_new = (np.asarray(x, np.float64) for x in (q, k_old, v_old, k_new, v_new))
+    B, N, H, D = q.shape
+    KVH, T = k_old.shape[1], k_old.shape[2]
+    s0 = min(max(length, 0), T - N)
+    out = np.zeros_like(q)
+    for b in range(B):
+        for n in range(N):
+            seen = np.concatenate([mask[b, n, :T] & (np.arange(T) < length), mask[b, n, s0:s0 + N]])
+            for h in range(H):
+                kvh = h // (H // KVH)
+                keys = np.concatenate([k_old[b, kvh], k_new[b, :, kvh]])
+                vals = np.concatenate([v_old[b, kvh], v_new[b, :, kvh]])
+                if not seen.any():
+                    out[b, n, h] = vals.mean(0)
+                    continue
+                s = keys @ q[b, n, h] * scale
+                if softcap:
+                    s = softcap * np.tanh(s / softcap)
+                p = np.where(seen, np.exp(s - s[seen].max()), 0.0)
+                out[b, n, h] = p @ vals / p.sum()
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("B,N,H,KVH,T,D,length,softcap", [
+    (1, 1, 9, 3, 256, 64, 150, None),     # a decode step: dot products as stored
+    (1, 9, 9, 3, 256, 64, 150, None),     # a 9-node verify: keys transposed, 4-row groups with a tail
+    (2, 33, 8, 2, 300, 48, 250, 5.0),     # batch rows over threads, softcap, keys past a 16-lane vector
+    (1, 5, 4, 4, 64, 128, 62, None),      # length + N > T: the new keys' mask columns clamp
+    (3, 4, 6, 2, 32, 16, 0, None),        # an empty cache
+])
+def test_cache_attention_equals_float64(B, N, H, KVH, T, D, length, softcap):
+    """The kernel against a float64 softmax attention, with a random visibility mask that hides some rows
+    entirely (padding rows: the mean of every value) and shows the others a random subset."""
+    rng = np.random.default_rng(N * 100 + T)
+    q = rng.normal(size=(B, N, H, D)).astype(np.float32)
+    k_old, v_old = (rng.normal(size=(B, KVH, T, D)).astype(np.float32) for _ in range(2))
+    k_new, v_new = (rng.normal(size=(B, N, KVH, D)).astype(np.float32) for _ in range(2))
+    mask = rng.random((B, N, T)) < 0.7
+    mask[0, 0] = False
+    unused = lambda *a: jnp.full(a[0].shape, jnp.nan)  # noqa: E731  (the XLA branch, not taken on a CPU)
+    got = jax.jit(lambda *a: cpu_kernel.cache_attention(*a, 0.3, softcap, unused))(
+        q, k_old, v_old, k_new, v_new, jnp.int32(length), mask)
+    want = attention_f64(q, k_old, v_old, k_new, v_new, length, mask, 0.3, softcap)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_attention_runs_the_kernel_only_where_it_pays():
+    """attend_and_write on a CPU: the kernel for a decode or verify forward, XLA's products for a long prefill
+    block, and none in a program lowered for a GPU."""
+    from jaxspec.cache import KVEntry
+    from jaxspec.models.attention import attend_and_write
+
+    def f(n):
+        entry = KVEntry.init(1, 128, 2, 16, jnp.float32)
+        q, kv = jnp.ones((1, n, 4, 16)), jnp.ones((1, n, 2, 16))
+        return lambda: attend_and_write(q, entry, kv, kv, jnp.int32(3), jnp.ones((1, n, 128), bool), 0.25)[0]
+
+    assert cpu_kernel.ATTENTION in hlo(f(9))
+    assert cpu_kernel.ATTENTION not in hlo(f(cpu_kernel.ATTENTION_ROWS + 1))
+    assert cpu_kernel.ATTENTION not in jax.jit(f(9)).trace().lower(lowering_platforms=("cuda",)).as_text()

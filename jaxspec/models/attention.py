@@ -8,6 +8,7 @@ own context and block.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -16,6 +17,7 @@ from flax import nnx
 
 from jaxspec.cache import KVEntry
 from jaxspec.config import RopeConfig
+from jaxspec.models import cpu_kernel
 from jaxspec.models.layers import Linear, RMSNorm, apply_rope, rope_inv_freq
 
 NEG_INF = -1e30  # finite, so fully masked padding rows give a uniform softmax instead of NaN
@@ -96,9 +98,17 @@ def attend_and_write(q, entry: KVEntry, k_new, v_new, length, mask, scale, softc
     attention's operand fusion and copies every cache buffer several times a step (measured: 4 full copies of
     each of SmolLM2's 60 buffers per token, ~10% of a packed decode step). Here the attention reads the cache
     as it was (slots < length) and the new keys beside it, and the write is made to depend on the attention's
-    output, so XLA sees the read happen first and updates the buffer in place: no copies."""
+    output, so XLA sees the read happen first and updates the buffer in place: no copies. On a CPU the
+    attention itself runs `cpu_kernel.cache_attention` for decode and verify forwards (few new tokens)."""
+    xla = functools.partial(_attend_cache, scale=scale, softcap=softcap)
+    o = cpu_kernel.cache_attention(q, entry.k, entry.v, k_new, v_new, length, mask, scale, softcap, xla)
+    after = (o[0, 0, 0, 0] * 0).astype(k_new.dtype)  # 0 (NaN only if o is): a data dependence on the read
+    return o, entry.write(k_new + after, v_new + after, length)
+
+
+def _attend_cache(q, k_old, v_old, k_new, v_new, length, mask, scale, softcap=None):
+    """attend_and_write's attention in XLA's batched products (the kernel's reference): [B, N, H, D]."""
     B, N, H, D = q.shape
-    k_old, v_old = entry.k, entry.v
     KVH, T = k_old.shape[1], k_old.shape[2]
     G = H // KVH
     qg = q.reshape(B, N, KVH, G, D).transpose(0, 2, 3, 1, 4).reshape(B, KVH, G * N, D)
@@ -114,9 +124,7 @@ def attend_and_write(q, entry: KVEntry, k_new, v_new, length, mask, scale, softc
     p = jax.nn.softmax(s, axis=-1).astype(v_old.dtype).reshape(B, KVH, G * N, T + N)
     o = (jnp.einsum("bkqt,bktd->bkqd", p[..., :T], v_old, preferred_element_type=jnp.float32)
          + jnp.einsum("bkqt,bktd->bkqd", p[..., T:], vn, preferred_element_type=jnp.float32))
-    o = o.reshape(B, KVH, G, N, D).transpose(0, 3, 1, 2, 4).reshape(B, N, H, D).astype(q.dtype)
-    after = (o[0, 0, 0, 0] * 0).astype(k_new.dtype)  # 0 (NaN only if o is): a data dependence on the read
-    return o, entry.write(k_new + after, v_new + after, length)
+    return o.reshape(B, KVH, G, N, D).transpose(0, 3, 1, 2, 4).reshape(B, N, H, D).astype(q.dtype)
 
 
 class Attention(nnx.Module):

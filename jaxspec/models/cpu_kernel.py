@@ -1,5 +1,6 @@
-"""Native matmuls for XLA:CPU (`cpu_matmul.cc`, called through the XLA FFI): built with the system C++
-compiler on first use, cached, registered with JAX.
+"""Native kernels for XLA:CPU (`cpu_matmul.cc`, called through the XLA FFI: matmuls of few rows, a row-wise
+argmax, the attention of few new tokens over a KV cache): built with the system C++ compiler on first use,
+cached, registered with JAX.
 
 Why native kernels: a decode step or a small tree verify is bound by the weight bytes it reads, and XLA:CPU
 reads them at memory speed only for one row of float weights. For packed weights it has no fused form that
@@ -34,6 +35,7 @@ SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGET = "jaxspec_packed_matmul"
 DENSE = "jaxspec_dense_matmul"
 ARGMAX = "jaxspec_argmax"
+ATTENTION = "jaxspec_cache_attention"
 
 
 def _host() -> str:
@@ -83,6 +85,7 @@ def available() -> bool:
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jaxspec_packed_matmul), platform="cpu")
     jax.ffi.register_ffi_target(DENSE, jax.ffi.pycapsule(lib.jaxspec_dense_matmul), platform="cpu")
     jax.ffi.register_ffi_target(ARGMAX, jax.ffi.pycapsule(lib.jaxspec_argmax), platform="cpu")
+    jax.ffi.register_ffi_target(ATTENTION, jax.ffi.pycapsule(lib.jaxspec_cache_attention), platform="cpu")
     return True
 
 
@@ -168,6 +171,30 @@ def argmax(x: jax.Array, xla) -> jax.Array:
         return call(x.reshape(m, x.shape[-1])).reshape(x.shape[:-1])
 
     return on_cpu(kernel, xla, x)
+
+
+# New tokens per forward up to which the attention kernel runs (decode steps, tree verifies, draft blocks);
+# a prefill's long blocks keep XLA's batched products.
+ATTENTION_ROWS = 64
+
+
+def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, softcap: float | None, xla):
+    """Attention of q [B, N, H, D] over the cache k_old, v_old [B, KVH, T, D] (slots < length) and this
+    forward's k_new, v_new [B, N, KVH, D], mask [B, N, T] over the written cache -> [B, N, H, D], on the kernel
+    where it may run here (float32, N <= ATTENTION_ROWS, D a multiple of 16, no multi-device mesh), else
+    `xla(...)` on the same arguments (attention.attend_and_write's reference form). The kernel reads only the
+    committed slots, where XLA's products and softmax run over the whole buffer."""
+    args = (q, k_old, v_old, k_new, v_new, length, mask)
+    if not (all(x.dtype == jnp.float32 for x in args[:5]) and q.shape[1] <= ATTENTION_ROWS
+            and q.shape[-1] % 16 == 0 and usable(q, k_old, v_old)):
+        return xla(*args)
+
+    def kernel(q, k_old, v_old, k_new, v_new, length, mask):
+        call = jax.ffi.ffi_call(ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
+        return call(q, k_old, v_old, k_new, v_new, mask, jnp.asarray(length, jnp.int32).reshape(()),
+                    scale=np.float32(scale), softcap=np.float32(softcap or 0.0))
+
+    return on_cpu(kernel, xla, *args)
 
 
 def _dense_xla(x, w, rows, nk, preferred_element_type=None):

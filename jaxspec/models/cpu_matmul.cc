@@ -1,7 +1,8 @@
 // Matmuls for XLA:CPU with few input rows, called from JAX through the XLA FFI (jaxspec/models/cpu_kernel.py
 // builds and registers them). Two kernels: the packed-weight product below (jaxspec/models/quant.py `matmul`
 // is its caller and `dequantize` its reference), and the float32 product further down (`Dense`; caller
-// cpu_kernel.dense, reference XLA's dot).
+// cpu_kernel.dense, reference XLA's dot). After them, two companions of a decode or verify forward: a
+// row-wise argmax and the attention of a few new tokens over a KV cache (`CacheAttention`).
 //
 // Packed weights:
 //   y[m, n] = sum_k x[m, k] * W[n, k],   W[n, k] = scale[n, k / g] * code(n, k) (+ offset[n, k / g])
@@ -599,6 +600,226 @@ ffi::Error Argmax(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> y) {
   return ffi::Error::Success();
 }
 
+
+// Attention of N new tokens over a KV cache: o [B, N, H, D] from q [B, N, H, D], the cache k_old, v_old
+// [B, KVH, T, D] (slots < length committed), this forward's k_new, v_new [B, N, KVH, D] and mask [B, N, T]
+// over the written cache (old slot j visible when j < length and mask[j]; new key i when mask[s0 + i],
+// s0 = clamp(length, 0, T - N)). Query head h reads KV head h / (H / KVH). Scores are q.k * scale (then
+// softcap * tanh(. / softcap) when softcap > 0), softmax in float32; a row that sees nothing averages all
+// T + N values (what a finite -1e30 fill gives; only padding rows). Reference: attention.attend_and_write's
+// XLA form. Why it exists: XLA:CPU spends several small batched products, transposes and a softmax over
+// the whole buffer per layer (about 8 ms of a 9-node verify round of SmolLM2, 2.6 ms of a decode step);
+// this reads only the committed slots, once per query group.
+#if defined(__AVX512F__)
+inline __m512 exp512(__m512 x) {  // e^x for x <= 0 (softmax): Cody-Waite range reduction, degree-7 Taylor
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 e = _mm512_set1_ps(1.0f / 5040.0f);
+  for (float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f}) e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(c));
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);  // e^x < 1.6e-38 (or -inf)
+  return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~tiny), e, n);
+}
+#endif
+
+struct Attn {
+  const float *q, *k_old, *v_old, *k_new, *v_new;
+  const bool* mask;
+  float* o;
+  int64_t B, N, H, KVH, T, D, length, s0;
+  float scale, softcap;
+};
+
+// All query rows of KV head kvh in batch row b: the G heads x N new tokens. Keys are laid out transposed
+// (KT [D, S], S = length + N, rounded up to 16) so scores come 16 keys to a vector for 4 rows at a time; the
+// softmax runs over S, then P [rows, S] x V. Buffers are the caller's, reused across heads.
+struct AttnScratch {
+  std::vector<float> kt, s;
+  std::vector<uint8_t> vis, empty;
+};
+
+#if defined(__AVX512F__)
+void attend_head(const Attn& a, int64_t b, int64_t kvh, AttnScratch& w) {
+  const int64_t G = a.H / a.KVH, L = a.length, D = a.D, N = a.N, S = L + N, SP = (S + 15) / 16 * 16, R = G * N;
+  const float* kc = a.k_old + (b * a.KVH + kvh) * a.T * D;
+  const float* vc = a.v_old + (b * a.KVH + kvh) * a.T * D;
+  auto key = [&](int64_t j) { return j < L ? kc + j * D : a.k_new + ((b * N + j - L) * a.KVH + kvh) * D; };
+  auto val = [&](int64_t j) { return j < L ? vc + j * D : a.v_new + ((b * N + j - L) * a.KVH + kvh) * D; };
+  w.s.resize(R * SP);
+  w.vis.resize(N * SP);
+  w.empty.assign(R, 0);
+  for (int64_t n = 0; n < N; ++n) {  // which of the S keys token n sees
+    const bool* m = a.mask + (b * N + n) * a.T;
+    uint8_t* v = w.vis.data() + n * SP;
+    for (int64_t j = 0; j < L; ++j) v[j] = m[j];
+    for (int64_t i = 0; i < N; ++i) v[L + i] = m[a.s0 + i];
+    for (int64_t j = S; j < SP; ++j) v[j] = 0;
+  }
+  // row r = g * N + n: head kvh * G + g, token n
+  auto qrow = [&](int64_t r) { return a.q + ((b * N + r % N) * a.H + kvh * G + r / N) * D; };
+  auto orow = [&](int64_t r) { return a.o + ((b * N + r % N) * a.H + kvh * G + r / N) * D; };
+  if (R < 8) {  // a decode step's few rows: dot products as stored (transposing the keys would cost more)
+    for (int64_t r = 0; r < R; ++r) {
+      const float* q = qrow(r);
+      for (int64_t j = 0; j < S; ++j) {
+        const float* k = key(j);
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), acc);
+        w.s[r * SP + j] = _mm512_reduce_add_ps(acc);
+      }
+      for (int64_t j = S; j < SP; ++j) w.s[r * SP + j] = 0.0f;
+    }
+  } else {  // keys transposed (KT [D, SP]), then 4 rows x 16 keys per step
+    w.kt.assign(D * SP, 0.0f);
+    for (int64_t j = 0; j < S; ++j) {
+      const float* k = key(j);
+      for (int64_t d = 0; d < D; ++d) w.kt[d * SP + j] = k[d];
+    }
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      const int64_t rn = std::min<int64_t>(4, R - r0);
+      const float* qs[4];
+      for (int i = 0; i < 4; ++i) qs[i] = qrow(r0 + std::min<int64_t>(i, rn - 1));
+      for (int64_t j = 0; j < SP; j += 16) {
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t d = 0; d < D; ++d) {
+          const __m512 k = _mm512_loadu_ps(w.kt.data() + d * SP + j);
+#pragma GCC unroll 4
+          for (int i = 0; i < 4; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(qs[i][d]), k, acc[i]);
+        }
+        for (int i = 0; i < rn; ++i) _mm512_storeu_ps(w.s.data() + (r0 + i) * SP + j, acc[i]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {  // softmax over the visible keys
+    float* s = w.s.data() + r * SP;
+    const uint8_t* v = w.vis.data() + (r % N) * SP;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < SP; j += 16) {
+      __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(a.scale));
+      if (a.softcap > 0.0f) {
+        alignas(64) float t[16];
+        _mm512_store_ps(t, x);
+        for (float& e : t) e = a.softcap * std::tanh(e / a.softcap);
+        x = _mm512_load_ps(t);
+      }
+      const __mmask16 seen = _mm_test_epi8_mask(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + j)),
+                                                _mm_set1_epi8(1));
+      x = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), x);
+      _mm512_storeu_ps(s + j, x);
+      top = _mm512_max_ps(top, x);
+    }
+    const float mx = _mm512_reduce_max_ps(top);
+    if (mx == -INFINITY) {  // nothing visible: the uniform average of all T + N values (a -1e30 fill's result)
+      float* out = orow(r);
+      for (int64_t d = 0; d < D; ++d) {
+        float t = 0.0f;
+        for (int64_t j = 0; j < a.T; ++j) t += vc[j * D + d];
+        for (int64_t i = 0; i < N; ++i) t += a.v_new[((b * N + i) * a.KVH + kvh) * D + d];
+        out[d] = t / static_cast<float>(a.T + N);
+      }
+      std::fill(s, s + SP, 0.0f);
+      w.empty[r] = 1;  // its output is written
+      continue;
+    }
+    __m512 tot = _mm512_setzero_ps();
+    for (int64_t j = 0; j < SP; j += 16) {
+      const __m512 p = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(mx)));
+      _mm512_storeu_ps(s + j, p);
+      tot = _mm512_add_ps(tot, p);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(tot));
+    for (int64_t j = 0; j < SP; j += 16) _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv));
+  }
+  // P x V: 4 rows x 64 outputs per step
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    const int64_t rn = std::min<int64_t>(4, R - r0);
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      const int64_t cw = std::min<int64_t>(4, (D - d0) / 16);
+      __m512 acc[4][4];
+      for (int i = 0; i < 16; ++i) acc[i / 4][i % 4] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < S; ++j) {
+        const float* vj = val(j) + d0;
+        __m512 vv[4];
+        for (int c = 0; c < 4; ++c) vv[c] = c < cw ? _mm512_loadu_ps(vj + 16 * c) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) {
+          const __m512 p = _mm512_set1_ps(w.s[(r0 + std::min<int64_t>(i, rn - 1)) * SP + j]);
+#pragma GCC unroll 4
+          for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_fmadd_ps(p, vv[c], acc[i][c]);
+        }
+      }
+      for (int i = 0; i < rn; ++i) {
+        if (w.empty[r0 + i]) continue;
+        for (int c = 0; c < cw; ++c) _mm512_storeu_ps(orow(r0 + i) + d0 + 16 * c, acc[i][c]);
+      }
+    }
+  }
+}
+#else
+void attend_head(const Attn& a, int64_t b, int64_t kvh, AttnScratch& w) {  // portable: the same sums, scalar
+  const int64_t G = a.H / a.KVH, L = a.length, D = a.D, N = a.N, S = L + N;
+  const float* kc = a.k_old + (b * a.KVH + kvh) * a.T * D;
+  const float* vc = a.v_old + (b * a.KVH + kvh) * a.T * D;
+  auto key = [&](int64_t j) { return j < L ? kc + j * D : a.k_new + ((b * N + j - L) * a.KVH + kvh) * D; };
+  auto val = [&](int64_t j) { return j < L ? vc + j * D : a.v_new + ((b * N + j - L) * a.KVH + kvh) * D; };
+  w.s.resize(S);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t n = 0; n < N; ++n) {
+      const bool* m = a.mask + (b * N + n) * a.T;
+      const float* q = a.q + ((b * N + n) * a.H + kvh * G + g) * D;
+      float* out = a.o + ((b * N + n) * a.H + kvh * G + g) * D;
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < S; ++j) {
+        float x = -INFINITY;
+        if (j < L ? m[j] : m[a.s0 + j - L]) {
+          x = 0.0f;
+          for (int64_t d = 0; d < D; ++d) x += q[d] * key(j)[d];
+          x *= a.scale;
+          if (a.softcap > 0.0f) x = a.softcap * std::tanh(x / a.softcap);
+        }
+        mx = std::max(mx, w.s[j] = x);
+      }
+      for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
+      if (mx == -INFINITY) {
+        for (int64_t d = 0; d < D; ++d) {
+          for (int64_t j = 0; j < a.T; ++j) out[d] += vc[j * D + d];
+          for (int64_t i = 0; i < N; ++i) out[d] += a.v_new[((b * N + i) * a.KVH + kvh) * D + d];
+          out[d] /= static_cast<float>(a.T + N);
+        }
+        continue;
+      }
+      float tot = 0.0f;
+      for (int64_t j = 0; j < S; ++j) tot += (w.s[j] = std::exp(w.s[j] - mx));
+      for (int64_t j = 0; j < S; ++j)
+        for (int64_t d = 0; d < D; ++d) out[d] += w.s[j] / tot * val(j)[d];
+    }
+}
+#endif
+
+ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_old,
+                          ffi::Buffer<ffi::F32> v_old, ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                          ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> length, ffi::ResultBuffer<ffi::F32> o,
+                          float scale, float softcap) {
+  auto qd = q.dimensions(), kd = k_old.dimensions(), nd = k_new.dimensions(), md = mask.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || nd.size() != 4 || md.size() != 3 || length.element_count() != 1 ||
+      kd[0] != qd[0] || kd[1] == 0 || qd[2] % kd[1] || kd[3] != qd[3] || nd[0] != qd[0] || nd[1] != qd[1] ||
+      nd[2] != kd[1] || nd[3] != qd[3] || md[0] != qd[0] || md[1] != qd[1] || md[2] != kd[2] ||
+      v_old.element_count() != k_old.element_count() || v_new.element_count() != k_new.element_count() || kd[2] < nd[1])
+    return ffi::Error::InvalidArgument("cache_attention: expects q [B, N, H, D], k/v_old [B, KVH, T, D], "
+                                       "k/v_new [B, N, KVH, D], mask [B, N, T] with KVH | H and N <= T");
+  Attn a{q.typed_data(), k_old.typed_data(), v_old.typed_data(), k_new.typed_data(), v_new.typed_data(),
+         mask.typed_data(), o->typed_data(), qd[0], qd[1], qd[2], kd[1], kd[2], qd[3], 0, 0, scale, softcap};
+  if (a.B * a.N * a.H == 0) return ffi::Error::Success();
+  const int64_t len = length.typed_data()[0];
+  a.length = std::clamp<int64_t>(len, 0, a.T);
+  a.s0 = std::clamp<int64_t>(len, 0, a.T - a.N);
+  parallel(pool, a.B * a.KVH, 1, 1, a.B * a.N * a.H * (a.length + a.N) * a.D, [a](int64_t i0, int64_t i1) {
+    AttnScratch w;
+    for (int64_t i = i0; i < i1; ++i) attend_head(a, i / a.KVH, i % a.KVH, w);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxspec_packed_matmul, PackedMatmul,
@@ -624,3 +845,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxspec_dense_matmul, DenseMatmul,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxspec_argmax, Argmax,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxspec_cache_attention, CacheAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap"));
