@@ -347,10 +347,10 @@ struct Shared {
   }
 };
 
-// Outputs [0, N) in about `per_thread` chunks per thread (a multiple of `align` outputs each), over the pool's
-// threads when the work (weights read times input rows + 1) is worth waking them for.
+// Outputs [0, N) in about `per_thread` chunks per thread (a multiple of `align` outputs each, at least `least`),
+// over the pool's threads when the work (weights read times input rows + 1) is worth waking them for.
 void parallel(ffi::ThreadPool& pool, int64_t N, int64_t align, int64_t per_thread, int64_t work,
-              std::function<void(int64_t, int64_t)> rows) {
+              std::function<void(int64_t, int64_t)> rows, int64_t least = 8) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   if (threads == 1 || work < (int64_t{1} << 18)) {
     rows(0, N);
@@ -359,7 +359,7 @@ void parallel(ffi::ThreadPool& pool, int64_t N, int64_t align, int64_t per_threa
   auto sh = std::make_shared<Shared>();
   sh->rows = std::move(rows);
   sh->N = N;
-  const int64_t want = std::max<int64_t>(8, (N + per_thread * threads - 1) / (per_thread * threads));
+  const int64_t want = std::max<int64_t>(least, (N + per_thread * threads - 1) / (per_thread * threads));
   sh->chunk = (want + align - 1) / align * align;
   sh->n_chunks = (N + sh->chunk - 1) / sh->chunk;
   for (int64_t t = 1; t < threads; ++t) pool.Schedule([sh] { sh->work(); });
@@ -622,6 +622,7 @@ inline __m512 exp512(__m512 x) {  // e^x for x <= 0 (softmax): Cody-Waite range 
 }
 #endif
 
+
 struct Attn {
   const float *q, *k_old, *v_old, *k_new, *v_new;
   const bool* mask;
@@ -630,17 +631,18 @@ struct Attn {
   float scale, softcap;
 };
 
-// All query rows of KV head kvh in batch row b: the G heads x N new tokens. Keys are laid out transposed
-// (KT [D, S], S = length + N, rounded up to 16) so scores come 16 keys to a vector for 4 rows at a time; the
-// softmax runs over S, then P [rows, S] x V. Buffers are the caller's, reused across heads.
+// Query rows [r_lo, r_hi) of KV head kvh in batch row b, of its G heads x N new tokens (row g * N + n). With 24
+// rows or more the keys are laid out transposed (KT [D, S], S = length + N, rounded up to 32) so scores come
+// 32 keys to two vectors for 4 rows at a time; the softmax runs over S, then P [rows, S] x V. Buffers are the
+// caller's, reused across heads.
 struct AttnScratch {
   std::vector<float> kt, s;
   std::vector<uint8_t> vis, empty;
 };
 
 #if defined(__AVX512F__)
-void attend_head(const Attn& a, int64_t b, int64_t kvh, AttnScratch& w) {
-  const int64_t G = a.H / a.KVH, L = a.length, D = a.D, N = a.N, S = L + N, SP = (S + 15) / 16 * 16, R = G * N;
+void attend_head(const Attn& a, int64_t b, int64_t kvh, int64_t r_lo, int64_t r_hi, AttnScratch& w) {
+  const int64_t G = a.H / a.KVH, L = a.length, D = a.D, N = a.N, S = L + N, SP = (S + 31) / 32 * 32, R = r_hi - r_lo;
   const float* kc = a.k_old + (b * a.KVH + kvh) * a.T * D;
   const float* vc = a.v_old + (b * a.KVH + kvh) * a.T * D;
   auto key = [&](int64_t j) { return j < L ? kc + j * D : a.k_new + ((b * N + j - L) * a.KVH + kvh) * D; };
@@ -655,10 +657,10 @@ void attend_head(const Attn& a, int64_t b, int64_t kvh, AttnScratch& w) {
     for (int64_t i = 0; i < N; ++i) v[L + i] = m[a.s0 + i];
     for (int64_t j = S; j < SP; ++j) v[j] = 0;
   }
-  // row r = g * N + n: head kvh * G + g, token n
-  auto qrow = [&](int64_t r) { return a.q + ((b * N + r % N) * a.H + kvh * G + r / N) * D; };
-  auto orow = [&](int64_t r) { return a.o + ((b * N + r % N) * a.H + kvh * G + r / N) * D; };
-  if (R < 8) {  // a decode step's few rows: dot products as stored (transposing the keys would cost more)
+  // local row r is head row r_lo + r = g * N + n: head kvh * G + g, token n
+  auto qrow = [&](int64_t r) { r += r_lo; return a.q + ((b * N + r % N) * a.H + kvh * G + r / N) * D; };
+  auto orow = [&](int64_t r) { r += r_lo; return a.o + ((b * N + r % N) * a.H + kvh * G + r / N) * D; };
+  if (R < 24) {  // a decode step's or a small tree's rows: dot products as stored (transposing costs more)
     for (int64_t r = 0; r < R; ++r) {
       const float* q = qrow(r);
       for (int64_t j = 0; j < S; ++j) {
@@ -669,7 +671,7 @@ void attend_head(const Attn& a, int64_t b, int64_t kvh, AttnScratch& w) {
       }
       for (int64_t j = S; j < SP; ++j) w.s[r * SP + j] = 0.0f;
     }
-  } else {  // keys transposed (KT [D, SP]), then 4 rows x 16 keys per step
+  } else {  // keys transposed (KT [D, SP]), then 4 rows x 32 keys per step
     w.kt.assign(D * SP, 0.0f);
     for (int64_t j = 0; j < S; ++j) {
       const float* k = key(j);
@@ -679,20 +681,28 @@ void attend_head(const Attn& a, int64_t b, int64_t kvh, AttnScratch& w) {
       const int64_t rn = std::min<int64_t>(4, R - r0);
       const float* qs[4];
       for (int i = 0; i < 4; ++i) qs[i] = qrow(r0 + std::min<int64_t>(i, rn - 1));
-      for (int64_t j = 0; j < SP; j += 16) {
-        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t j = 0; j < SP; j += 32) {
+        __m512 acc[4][2];
+        for (int i = 0; i < 8; ++i) acc[i / 2][i % 2] = _mm512_setzero_ps();
         for (int64_t d = 0; d < D; ++d) {
-          const __m512 k = _mm512_loadu_ps(w.kt.data() + d * SP + j);
+          const __m512 k0 = _mm512_loadu_ps(w.kt.data() + d * SP + j), k1 = _mm512_loadu_ps(w.kt.data() + d * SP + j + 16);
 #pragma GCC unroll 4
-          for (int i = 0; i < 4; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(qs[i][d]), k, acc[i]);
+          for (int i = 0; i < 4; ++i) {
+            const __m512 qd = _mm512_set1_ps(qs[i][d]);
+            acc[i][0] = _mm512_fmadd_ps(qd, k0, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(qd, k1, acc[i][1]);
+          }
         }
-        for (int i = 0; i < rn; ++i) _mm512_storeu_ps(w.s.data() + (r0 + i) * SP + j, acc[i]);
+        for (int i = 0; i < rn; ++i) {
+          _mm512_storeu_ps(w.s.data() + (r0 + i) * SP + j, acc[i][0]);
+          _mm512_storeu_ps(w.s.data() + (r0 + i) * SP + j + 16, acc[i][1]);
+        }
       }
     }
   }
   for (int64_t r = 0; r < R; ++r) {  // softmax over the visible keys
     float* s = w.s.data() + r * SP;
-    const uint8_t* v = w.vis.data() + (r % N) * SP;
+    const uint8_t* v = w.vis.data() + ((r_lo + r) % N) * SP;
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < SP; j += 16) {
       __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(a.scale));
@@ -756,43 +766,43 @@ void attend_head(const Attn& a, int64_t b, int64_t kvh, AttnScratch& w) {
   }
 }
 #else
-void attend_head(const Attn& a, int64_t b, int64_t kvh, AttnScratch& w) {  // portable: the same sums, scalar
+void attend_head(const Attn& a, int64_t b, int64_t kvh, int64_t r_lo, int64_t r_hi, AttnScratch& w) {  // portable
   const int64_t G = a.H / a.KVH, L = a.length, D = a.D, N = a.N, S = L + N;
   const float* kc = a.k_old + (b * a.KVH + kvh) * a.T * D;
   const float* vc = a.v_old + (b * a.KVH + kvh) * a.T * D;
   auto key = [&](int64_t j) { return j < L ? kc + j * D : a.k_new + ((b * N + j - L) * a.KVH + kvh) * D; };
   auto val = [&](int64_t j) { return j < L ? vc + j * D : a.v_new + ((b * N + j - L) * a.KVH + kvh) * D; };
   w.s.resize(S);
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t n = 0; n < N; ++n) {
-      const bool* m = a.mask + (b * N + n) * a.T;
-      const float* q = a.q + ((b * N + n) * a.H + kvh * G + g) * D;
-      float* out = a.o + ((b * N + n) * a.H + kvh * G + g) * D;
-      float mx = -INFINITY;
-      for (int64_t j = 0; j < S; ++j) {
-        float x = -INFINITY;
-        if (j < L ? m[j] : m[a.s0 + j - L]) {
-          x = 0.0f;
-          for (int64_t d = 0; d < D; ++d) x += q[d] * key(j)[d];
-          x *= a.scale;
-          if (a.softcap > 0.0f) x = a.softcap * std::tanh(x / a.softcap);
-        }
-        mx = std::max(mx, w.s[j] = x);
+  for (int64_t r = r_lo; r < r_hi; ++r) {
+    const int64_t g = r / N, n = r % N;
+    const bool* m = a.mask + (b * N + n) * a.T;
+    const float* q = a.q + ((b * N + n) * a.H + kvh * G + g) * D;
+    float* out = a.o + ((b * N + n) * a.H + kvh * G + g) * D;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < S; ++j) {
+      float x = -INFINITY;
+      if (j < L ? m[j] : m[a.s0 + j - L]) {
+        x = 0.0f;
+        for (int64_t d = 0; d < D; ++d) x += q[d] * key(j)[d];
+        x *= a.scale;
+        if (a.softcap > 0.0f) x = a.softcap * std::tanh(x / a.softcap);
       }
-      for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
-      if (mx == -INFINITY) {
-        for (int64_t d = 0; d < D; ++d) {
-          for (int64_t j = 0; j < a.T; ++j) out[d] += vc[j * D + d];
-          for (int64_t i = 0; i < N; ++i) out[d] += a.v_new[((b * N + i) * a.KVH + kvh) * D + d];
-          out[d] /= static_cast<float>(a.T + N);
-        }
-        continue;
-      }
-      float tot = 0.0f;
-      for (int64_t j = 0; j < S; ++j) tot += (w.s[j] = std::exp(w.s[j] - mx));
-      for (int64_t j = 0; j < S; ++j)
-        for (int64_t d = 0; d < D; ++d) out[d] += w.s[j] / tot * val(j)[d];
+      mx = std::max(mx, w.s[j] = x);
     }
+    for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
+    if (mx == -INFINITY) {
+      for (int64_t d = 0; d < D; ++d) {
+        for (int64_t j = 0; j < a.T; ++j) out[d] += vc[j * D + d];
+        for (int64_t i = 0; i < N; ++i) out[d] += a.v_new[((b * N + i) * a.KVH + kvh) * D + d];
+        out[d] /= static_cast<float>(a.T + N);
+      }
+      continue;
+    }
+    float tot = 0.0f;
+    for (int64_t j = 0; j < S; ++j) tot += (w.s[j] = std::exp(w.s[j] - mx));
+    for (int64_t j = 0; j < S; ++j)
+      for (int64_t d = 0; d < D; ++d) out[d] += w.s[j] / tot * val(j)[d];
+  }
 }
 #endif
 
@@ -813,10 +823,16 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   const int64_t len = length.typed_data()[0];
   a.length = std::clamp<int64_t>(len, 0, a.T);
   a.s0 = std::clamp<int64_t>(len, 0, a.T - a.N);
-  parallel(pool, a.B * a.KVH, 1, 1, a.B * a.N * a.H * (a.length + a.N) * a.D, [a](int64_t i0, int64_t i1) {
+  // Items: (batch row, KV head, part of its G x N query rows); a verify's heads split in two so that two
+  // threads share 3 KV heads evenly.
+  const int64_t R = a.H / a.KVH * a.N, parts = R >= 16 ? 2 : 1;
+  parallel(pool, a.B * a.KVH * parts, 1, 1, a.B * a.N * a.H * (a.length + a.N) * a.D, [a, R, parts](int64_t i0, int64_t i1) {
     AttnScratch w;
-    for (int64_t i = i0; i < i1; ++i) attend_head(a, i / a.KVH, i % a.KVH, w);
-  });
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t part = i % parts, head = i / parts;
+      attend_head(a, head / a.KVH, head % a.KVH, R * part / parts, R * (part + 1) / parts, w);
+    }
+  }, 1);
   return ffi::Error::Success();
 }
 
