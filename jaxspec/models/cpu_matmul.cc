@@ -817,6 +817,9 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
       v_old.element_count() != k_old.element_count() || v_new.element_count() != k_new.element_count() || kd[2] < nd[1])
     return ffi::Error::InvalidArgument("cache_attention: expects q [B, N, H, D], k/v_old [B, KVH, T, D], "
                                        "k/v_new [B, N, KVH, D], mask [B, N, T] with KVH | H and N <= T");
+#if defined(__AVX512F__)
+  if (qd[3] % 16) return ffi::Error::InvalidArgument("cache_attention: head_dim must be a multiple of 16");
+#endif
   Attn a{q.typed_data(), k_old.typed_data(), v_old.typed_data(), k_new.typed_data(), v_new.typed_data(),
          mask.typed_data(), o->typed_data(), qd[0], qd[1], qd[2], kd[1], kd[2], qd[3], 0, 0, scale, softcap};
   if (a.B * a.N * a.H == 0) return ffi::Error::Success();
