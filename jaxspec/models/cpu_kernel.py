@@ -173,7 +173,7 @@ def argmax(x: jax.Array, xla) -> jax.Array:
     return on_cpu(kernel, xla, x)
 
 
-# New tokens per forward up to which the attention kernel runs (decode steps, tree verifies, draft blocks);
+# New tokens per forward up to which the attention kernel runs (decode steps, tree verifies up to budget 63);
 # a prefill's long blocks keep XLA's batched products.
 ATTENTION_ROWS = 64
 
