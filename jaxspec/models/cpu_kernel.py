@@ -108,9 +108,10 @@ def packed_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.
 
 
 # Rows where the kernel beats XLA's product (python bench/cpu_matmul.py; 2-core Xeon, SmolLM2's shapes): W [K, N]
-# from 2 to about 60 rows (1 row: XLA's matrix-vector product is as fast), W [V, K] up to about 24 (1.5x at 9
-# rows, 1.1x at 17), W's rows gathered (a draft vocabulary) up to about 48.
-ROWS = {"kn": (2, 48), "nk": (1, 24), "nk_rows": (1, 48)}
+# up to about 60 rows, W [V, K] up to about 24 (1.5x at 9 rows, 1.1x at 17), W's rows gathered (a draft
+# vocabulary) up to about 48. For W [K, N] and one row the two are level in that bench (1.05x), but inside a
+# decode step XLA's matrix-vector products are slower than alone and the kernel makes AR 1.15-1.2x faster.
+ROWS = {"kn": (1, 48), "nk": (1, 24), "nk_rows": (1, 48)}
 
 
 def usable(*weights) -> bool:
@@ -137,8 +138,7 @@ def dense(x: jax.Array, w: jax.Array, *, nk: bool = False, rows: jax.Array | Non
     """x [..., K] @ w [K, N] -> [..., N]; with nk, w [V, K] is used transposed (a tied embedding as the LM
     head), and only its rows `rows` [N] when given (a draft vocabulary: no gathered copy of the rows).
 
-    Float32 products of ROWS rows (a tree verify, a draft block; the [V, K] head also for a decode step) run
-    the kernel, which reads w once at close to memory speed; XLA:CPU's product costs about one matrix-vector
+    Float32 products of ROWS rows (a decode step, a tree verify, a draft block) run the kernel, which reads w once at close to memory speed; XLA:CPU's product costs about one matrix-vector
     product per row there (it repacks w for its GEMM on every call). Differentiable (the gradient is XLA's).
     preferred_element_type: XLA's accumulation and output type (float32 logits from bf16 weights)."""
     m, K = int(np.prod(x.shape[:-1])), x.shape[-1]
