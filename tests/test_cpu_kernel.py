@@ -8,7 +8,8 @@ import pytest
 from flax import nnx
 
 from jaxspec.models import cpu_kernel
-from jaxspec.models.layers import Linear
+from jaxspec.models import quant
+from jaxspec.models.layers import Linear, project
 from jaxspec.sharding import make_mesh
 
 needs_kernel = pytest.mark.skipif(not cpu_kernel.available(), reason="no C++ compiler")
@@ -93,6 +94,46 @@ def test_dense_gradient_equals_xlas(nk):
     assert cpu_kernel.DENSE in hlo(jax.grad(loss(lambda x, w: cpu_kernel.dense(x, w, nk=nk, rows=rows))), x, w)
     for a, b in zip(ours, ref):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_dense_many_equals_float64(rows):
+    """Several weights over one x in one call (q, k, v; gate and up): widths that are not whole 64-column
+    tiles (each weight padded to its own tiles), enough work to be split over XLA's threads, and the gradient
+    of a loss through all outputs against XLA's."""
+    rng = np.random.default_rng(rows)
+    K = 70
+    x = jnp.asarray(rng.normal(size=(1, rows, K)).astype(np.float32))
+    ws = [jnp.asarray(rng.normal(size=(K, n)).astype(np.float32)) for n in (1000, 70, 130, 64)]
+    got = jax.jit(cpu_kernel.dense_many)(x, ws)
+    assert cpu_kernel.DENSE_MANY in hlo(cpu_kernel.dense_many, x, ws)
+    for y, w in zip(got, ws):
+        assert_product(y[0], x[0], w)
+
+    def loss(f):
+        return lambda x, ws: sum(jnp.sum(jnp.sin(y) * (i + 1)) for i, y in enumerate(f(x, ws)))
+
+    ours = jax.jit(jax.grad(loss(cpu_kernel.dense_many), argnums=(0, 1)))(x, ws)
+    ref = jax.grad(loss(lambda x, ws: [x @ w for w in ws]), argnums=(0, 1))(x, ws)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_project_merges_float_linears_only():
+    """layers.project: float Linears in one kernel call, biases added after; a packed one runs each alone."""
+    rngs = nnx.Rngs(0)
+    lins = [Linear(64, n, ("embed", "ffn"), bias=b, rngs=rngs) for n, b in ((96, False), (32, True))]
+    lins[1].bias[...] = jnp.arange(32.0)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 2, 64)).astype(np.float32))
+    f = lambda x: project(x, *lins)  # noqa: E731
+    for y, lin in zip(f(x), lins):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x @ lin.kernel[...] + (0 if lin.bias is None else
+                                                                                    lin.bias[...])), rtol=1e-5, atol=1e-5)
+    assert cpu_kernel.DENSE_MANY in hlo(f, x)
+    quant.pack_module(lins[0], {"kernel": quant.scheme_of("int8")}, fill=True)
+    assert cpu_kernel.DENSE_MANY not in hlo(lambda x: project(x, *lins), x)
 
 
 def attention_f64(q, k_old, v_old, k_new, v_new, length, mask, scale, softcap):

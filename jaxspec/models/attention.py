@@ -18,7 +18,7 @@ from flax import nnx
 from jaxspec.cache import KVEntry
 from jaxspec.config import RopeConfig
 from jaxspec.models import cpu_kernel
-from jaxspec.models.layers import Linear, RMSNorm, apply_rope, rope_inv_freq
+from jaxspec.models.layers import Linear, RMSNorm, apply_rope, project, rope_inv_freq
 
 NEG_INF = -1e30  # finite, so fully masked padding rows give a uniform softmax instead of NaN
 
@@ -142,19 +142,27 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def queries(self, x, positions):
-        """x [B, N, H] -> q [B, N, heads, D], normed and rotated."""
-        B, N, _ = x.shape
-        q = self.q_proj(x).reshape(B, N, self.spec.num_heads, self.spec.head_dim)
+    def keys_values(self, x, positions):
+        """x [B, N, H] -> k, v [B, N, kv_heads, D], k normed and rotated."""
+        return self._keys_values(*project(x, self.k_proj, self.v_proj), positions)
+
+    def qkv(self, x, positions):
+        """x [B, N, H] -> q [B, N, heads, D] normed and rotated, and keys_values; one product call for the
+        three projections (layers.project)."""
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        return (self._queries(q, positions), *self._keys_values(k, v, positions))
+
+    def _queries(self, q, positions):  # q_proj's output [B, N, heads * D]
+        B, N, _ = q.shape
+        q = q.reshape(B, N, self.spec.num_heads, self.spec.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
         return apply_rope(q, positions, jnp.asarray(self.inv_freq, jnp.float32))
 
-    def keys_values(self, x, positions):
-        """x [B, N, H] -> k, v [B, N, kv_heads, D], k normed and rotated."""
-        B, N, _ = x.shape
-        k = self.k_proj(x).reshape(B, N, self.spec.num_kv_heads, self.spec.head_dim)
-        v = self.v_proj(x).reshape(B, N, self.spec.num_kv_heads, self.spec.head_dim)
+    def _keys_values(self, k, v, positions):  # k_proj's and v_proj's outputs [B, N, kv_heads * D]
+        B, N, _ = k.shape
+        k = k.reshape(B, N, self.spec.num_kv_heads, self.spec.head_dim)
+        v = v.reshape(B, N, self.spec.num_kv_heads, self.spec.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
         return apply_rope(k, positions, jnp.asarray(self.inv_freq, jnp.float32)), v
@@ -167,10 +175,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, entry: KVEntry, length, mask, key_pos):
         """x: [B, N, H]; mask: [B, N, T] over [cache | new]; returns (out [B, N, H], entry with the new K/V)."""
-        k, v = self.keys_values(x, positions)
+        q, k, v = self.qkv(x, positions)
         if self.spec.window is not None:
             mask = sliding(mask, positions, key_pos, self.spec.window)
         B, N = x.shape[:2]
-        o, entry = attend_and_write(self.queries(x, positions), entry, k, v, length, mask, self.spec.scale,
-                                    self.spec.softcap)
+        o, entry = attend_and_write(q, entry, k, v, length, mask, self.spec.scale, self.spec.softcap)
         return self.o_proj(o.reshape(B, N, self.spec.num_heads * self.spec.head_dim)), entry

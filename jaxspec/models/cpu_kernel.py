@@ -34,6 +34,7 @@ from jaxspec.budget import cache_dir
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGET = "jaxspec_packed_matmul"
 DENSE = "jaxspec_dense_matmul"
+DENSE_MANY = "jaxspec_dense_many"
 ARGMAX = "jaxspec_argmax"
 ATTENTION = "jaxspec_cache_attention"
 
@@ -84,6 +85,7 @@ def available() -> bool:
         return _unavailable(str(e))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jaxspec_packed_matmul), platform="cpu")
     jax.ffi.register_ffi_target(DENSE, jax.ffi.pycapsule(lib.jaxspec_dense_matmul), platform="cpu")
+    jax.ffi.register_ffi_target(DENSE_MANY, jax.ffi.pycapsule(lib.jaxspec_dense_many), platform="cpu")
     jax.ffi.register_ffi_target(ARGMAX, jax.ffi.pycapsule(lib.jaxspec_argmax), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION, jax.ffi.pycapsule(lib.jaxspec_cache_attention), platform="cpu")
     return True
@@ -149,6 +151,21 @@ def dense(x: jax.Array, w: jax.Array, *, nk: bool = False, rows: jax.Array | Non
     xla = lambda x2, w, rows: _dense_xla(x2, w, rows, nk)  # noqa: E731
     y = on_cpu(kernel, xla, x.reshape(m, K), w, rows)
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def dense_many(x: jax.Array, ws: list[jax.Array]) -> list[jax.Array]:
+    """[dense(x, w) for w in ws] for weights w [K, N_i] that share the input x [..., K] (a layer's q, k, v, or
+    gate and up): one kernel call for all of them where `dense` would run the kernel for each, which saves a
+    call and a hand-off to the threads per weight (a decode step of SmolLM2: 90 fewer calls, 1.05x faster
+    products). Differentiable (the gradient is XLA's)."""
+    m, K = int(np.prod(x.shape[:-1])), x.shape[-1]
+    lo, hi = ROWS["kn"]
+    if not (len(ws) > 1 and all(w.dtype == jnp.float32 for w in ws) and x.dtype == jnp.float32
+            and lo <= m <= hi and usable(*ws) and all(w.ndim == 2 and w.shape[0] == K for w in ws)):
+        return [dense(x, w) for w in ws]
+    xla = lambda x2, *ws: [_dense_xla(x2, w, None, False) for w in ws]  # noqa: E731
+    ys = on_cpu(_dense_many_kernel, xla, x.reshape(m, K), *ws)
+    return [y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys]
 
 
 def dense_kernel(x: jax.Array, w: jax.Array, *, nk: bool = False, rows: jax.Array | None = None) -> jax.Array:
@@ -222,3 +239,22 @@ def _dense_bwd(nk, gather, res, g):
 
 
 _dense_kernel.defvjp(_dense_fwd, _dense_bwd)
+
+
+@jax.custom_vjp
+def _dense_many_kernel(x, *ws):
+    shapes = [jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32) for w in ws]
+    return list(jax.ffi.ffi_call(DENSE_MANY, shapes, vmap_method="sequential")(x, *ws))
+
+
+def _dense_many_fwd(x, *ws):
+    return _dense_many_kernel(x, *ws), (x, ws)
+
+
+def _dense_many_bwd(res, gs):
+    x, ws = res
+    _, vjp = jax.vjp(lambda x, *ws: [x @ w for w in ws], x, *ws)
+    return vjp(list(gs))
+
+
+_dense_many_kernel.defvjp(_dense_many_fwd, _dense_many_bwd)

@@ -560,6 +560,40 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   return ffi::Error::Success();
 }
 
+// Several weights W_i [K, N_i] applied to the same x [M, K] in one call (a layer's q, k, v or gate and up),
+// y_i = x @ W_i: the same sums as one DenseMatmul per weight, with one hand-off to the threads instead of one
+// per weight. Columns are dealt out over the weights laid side by side, each padded to whole 64-column tiles.
+// Measured on SmolLM2's decode step (30 layers, 7 products each, one row): 19.5-20.5 ms as 7 calls, 18.5-19
+// as 4 (q, k, v and gate, up merged).
+ffi::Error DenseMany(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::RemainingRets ys) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2 || ws.size() != ys.size() || ws.size() == 0)
+    return ffi::Error::InvalidArgument("dense_many: expects x [M, K] and as many weights W_i [K, N_i] as results");
+  std::vector<Dense> parts;
+  std::vector<int64_t> start;  // where weight i's columns begin in the padded side-by-side layout
+  int64_t total = 0, work = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    auto w = ws.get<ffi::Buffer<ffi::F32>>(i);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("dense_many: weights and results are float32");
+    auto wd = w->dimensions(), yd = (*y)->dimensions();
+    if (wd.size() != 2 || yd.size() != 2 || wd[0] != xd[1] || yd[0] != xd[0] || yd[1] != wd[1])
+      return ffi::Error::InvalidArgument("dense_many: expects x [M, K], W_i [K, N_i] and y_i [M, N_i]");
+    parts.push_back(Dense{x.typed_data(), w->typed_data(), nullptr, (*y)->typed_data(), xd[0], wd[1], xd[1], wd[0]});
+    start.push_back(total);
+    total += (wd[1] + 63) / 64 * 64;
+    work += wd[1] * xd[1] * (xd[0] + 1);
+  }
+  if (xd[0] == 0 || total == 0) return ffi::Error::Success();
+  parallel(pool, total, 64, 1, work, [parts, start](int64_t n0, int64_t n1) {
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const int64_t lo = std::max(n0, start[i]) - start[i], hi = std::min(n1 - start[i], parts[i].N);
+      if (lo < hi) kn_rows(parts[i], lo, hi);
+    }
+  });
+  return ffi::Error::Success();
+}
+
 // Row-wise argmax: x [M, V] -> y [M] int32, the first maximum, or the first NaN when a row has one (the rule of
 // jnp.argmax). XLA:CPU forms it from a max reduction and an index reduction over an [M, V] mask it writes out:
 // 1.3 ms for a 9-node verify's [9, 49152] logits inside a round, where this reads each row twice from cache.
@@ -861,6 +895,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxspec_dense_matmul, DenseMatmul,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("nk")
                                   .Attr<bool>("gather"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxspec_dense_many, DenseMany,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxspec_argmax, Argmax,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>());

@@ -35,14 +35,14 @@ def block_attention(attn: Attention, x, positions, ctx_k, ctx_v, ctx_mask, ctx_p
 
     ctx_k, ctx_v: [B, KVH, T, D] context K/V (computed once per committed token); ctx_pos: [B, T]."""
     B, N, _ = x.shape
-    kb, vb = attn.keys_values(x, positions)  # [B, Bk, KVH, D]
+    q, kb, vb = attn.qkv(x, positions)  # q [B, Bk, heads, D], kb, vb [B, Bk, KVH, D]
     k = jnp.concatenate([ctx_k, kb.transpose(0, 2, 1, 3).astype(ctx_k.dtype)], axis=2)
     v = jnp.concatenate([ctx_v, vb.transpose(0, 2, 1, 3).astype(ctx_v.dtype)], axis=2)
     cm = jnp.broadcast_to(ctx_mask[:, None, :], (B, N, ctx_mask.shape[1]))  # [B, Bk, T]
     if attn.spec.window is not None:  # sliding layers see only the last `window` context positions
         cm = cm & (positions[:, :, None] - ctx_pos[:, None, :] < attn.spec.window)
     mask = jnp.concatenate([cm, jnp.ones((B, N, N), bool)], axis=2)
-    return attn.output(attn.queries(x, positions), k, v, mask)
+    return attn.output(q, k, v, mask)
 
 
 class DraftLayer(nnx.Module):

@@ -49,6 +49,15 @@ class Linear(nnx.Module):
         return quant.as_float(self.kernel).T if isinstance(self.kernel, quant.Packed) else self.kernel[...]
 
 
+def project(x: jax.Array, *linears: Linear) -> list[jax.Array]:
+    """[lin(x) for lin in linears]: on a CPU, float weights go through one kernel call together
+    (`cpu_kernel.dense_many`) where each would run the kernel alone."""
+    if any(isinstance(lin.kernel, quant.Packed) for lin in linears):
+        return [lin(x) for lin in linears]
+    ys = cpu_kernel.dense_many(x, [lin.kernel[...] for lin in linears])
+    return [y + lin.bias[...] if lin.bias is not None else y for y, lin in zip(ys, linears)]
+
+
 def embed_rows(table, tokens: jax.Array) -> jax.Array:
     """Rows of the token embedding [V, H] (a float Param or a packed table) for tokens [...] -> [..., H]."""
     return quant.rows(table, tokens) if isinstance(table, quant.Packed) else jnp.take(table[...], tokens, axis=0)
@@ -84,9 +93,9 @@ class MLP(nnx.Module):
         self.down_proj = Linear(d_ff, d, ("ffn", "embed"), bias=bias, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        g = self.gate_proj(x)
+        g, u = project(x, self.gate_proj, self.up_proj)
         g = jax.nn.silu(g) if self.act == "silu" else jax.nn.gelu(g, approximate=True)
-        return self.down_proj(g * self.up_proj(x))
+        return self.down_proj(g * u)
 
 
 def lm_logits(h: jax.Array, embed_tokens, lm_head: "Linear | None", vocab: jax.Array | None = None) -> jax.Array:

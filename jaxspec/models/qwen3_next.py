@@ -24,7 +24,7 @@ from jaxspec.config import ConfigError, RopeConfig, _rope, eos_ids
 from jaxspec.models.attention import Attention, AttentionSpec, attend_and_write, cache_mask
 from jaxspec.models.gated_deltanet import MODES, GatedDeltaNet, GDNEntry, GDNSpec
 from jaxspec.models.layers import (Linear, MLP, RMSNorm, apply_rope, embed_rows, lm_logits, param,
-                                   finish, rope_inv_freq)
+                                   finish, project, rope_inv_freq)
 from jaxspec.models.moe import SparseMoeBlock
 from jaxspec.segment import Segment
 
@@ -148,10 +148,11 @@ class GatedAttention(Attention):
     def __call__(self, x, positions, entry: KVEntry, length, mask, key_pos):
         B, N, _ = x.shape
         nH, nKV, D = self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
-        q, gate = jnp.split(self.q_proj(x).reshape(B, N, nH, 2 * D), 2, axis=-1)
+        qg, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q, gate = jnp.split(qg.reshape(B, N, nH, 2 * D), 2, axis=-1)
         q = self.rope(self.q_norm(q), positions)
-        k = self.rope(self.k_norm(self.k_proj(x).reshape(B, N, nKV, D)), positions)
-        o, entry = attend_and_write(q, entry, k, self.v_proj(x).reshape(B, N, nKV, D), length, mask, self.spec.scale)
+        k = self.rope(self.k_norm(k.reshape(B, N, nKV, D)), positions)
+        o, entry = attend_and_write(q, entry, k, v.reshape(B, N, nKV, D), length, mask, self.spec.scale)
         o = o.reshape(B, N, nH * D)
         return self.o_proj(o * jax.nn.sigmoid(gate.reshape(B, N, nH * D))), entry
 
