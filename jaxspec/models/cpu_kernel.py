@@ -161,11 +161,10 @@ def dense_many(x: jax.Array, ws: list[jax.Array]) -> list[jax.Array]:
     tokens/s). Differentiable (the gradient is XLA's)."""
     m, K = int(np.prod(x.shape[:-1])), x.shape[-1]
     lo, hi = ROWS["kn"]
-    if not (len(ws) > 1 and all(w.dtype == jnp.float32 for w in ws) and x.dtype == jnp.float32
-            and lo <= m <= hi and usable(*ws) and all(w.ndim == 2 and w.shape[0] == K for w in ws)):
+    if not (len(ws) > 1 and x.dtype == jnp.float32 and all(w.dtype == jnp.float32 for w in ws) and lo <= m <= hi
+            and usable(*ws)):
         return [dense(x, w) for w in ws]
-    xla = lambda x2, *ws: [_dense_xla(x2, w, None, False) for w in ws]  # noqa: E731
-    ys = on_cpu(_dense_many_kernel, xla, x.reshape(m, K), *ws)
+    ys = on_cpu(_dense_many_kernel, _dense_many_xla, x.reshape(m, K), *ws)
     return [y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys]
 
 
@@ -252,9 +251,13 @@ def _dense_many_fwd(x, *ws):
     return _dense_many_kernel(x, *ws), (x, ws)
 
 
+def _dense_many_xla(x, *ws):
+    return [_dense_xla(x, w, None, False) for w in ws]
+
+
 def _dense_many_bwd(res, gs):
     x, ws = res
-    _, vjp = jax.vjp(lambda x, *ws: [x @ w for w in ws], x, *ws)
+    _, vjp = jax.vjp(_dense_many_xla, x, *ws)
     return vjp(list(gs))
 
 
