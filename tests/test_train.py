@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jaxspec
+from jaxspec.models import cpu_kernel
 from jaxspec.segment import Segment
 from jaxspec.train.data import Dataset, compute_taps, frequent_tokens
 from jaxspec.train.trainer import TrainConfig, block_loss, train
@@ -30,7 +31,8 @@ def tiny_data(model, n=12, S=48):
 
 @pytest.mark.parametrize("vocab", [(), tuple(range(1, 128, 2))])
 def test_train_forward_matches_drafting(vocab):
-    """A block at anchor a in training sees exactly what the drafter sees at committed length a."""
+    """A block at anchor a in training sees exactly what the drafter sees at committed length a (drafting reads
+    its cache through the CPU attention kernel where there is one: two independent forms of the same sums)."""
     m = tiny_target("llama")
     d = jaxspec.init_drafter(m, num_layers=2, block_size=8, seed=2, draft_vocab=vocab)
     seq = jnp.asarray([PROMPT + PROMPT[:7]])  # [1, 20]
@@ -41,7 +43,9 @@ def test_train_forward_matches_drafting(vocab):
     h_train = dm.train_forward(jnp.asarray(taps), tgt.embed(block), anchors)
     for j, a in enumerate([5, 11]):
         cache = dm.append_context(dm.init_cache(1, 32), jnp.asarray(taps[:, :a]), a)
-        want = np.asarray(dm.draft_logits(tgt, cache, seq[0, a], jnp.int32(a)))  # [Bk-1, K]
+        draft = jax.jit(lambda c, a: dm.draft_logits(tgt, c, seq[0, a], a))
+        want = np.asarray(draft(cache, jnp.int32(a)))  # [Bk-1, K]
+        assert (cpu_kernel.ATTENTION in draft.lower(cache, jnp.int32(a)).as_text()) == cpu_kernel.available()
         np.testing.assert_allclose(np.asarray(dm.head(tgt, h_train[0, j, 1:])), want, atol=1e-4)
 
 

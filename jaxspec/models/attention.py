@@ -100,10 +100,17 @@ def attend_and_write(q, entry: KVEntry, k_new, v_new, length, mask, scale, softc
     as it was (slots < length) and the new keys beside it, and the write is made to depend on the attention's
     output, so XLA sees the read happen first and updates the buffer in place: no copies. On a CPU the
     attention itself runs `cpu_kernel.cache_attention` for decode and verify forwards (few new tokens)."""
-    xla = functools.partial(_attend_cache, scale=scale, softcap=softcap)
-    o = cpu_kernel.cache_attention(q, entry.k, entry.v, k_new, v_new, length, mask, scale, softcap, xla)
+    o = attend_cache(q, entry.k, entry.v, k_new, v_new, length, mask, scale, softcap)
     after = (o[0, 0, 0, 0] * 0).astype(k_new.dtype)  # 0 (NaN only if o is): a data dependence on the read
     return o, entry.write(k_new + after, v_new + after, length)
+
+
+def attend_cache(q, k_old, v_old, k_new, v_new, length, mask, scale, softcap=None):
+    """q [B, N, H, D] over the committed slots of k_old, v_old [B, KVH, T, D] (slots < length where mask) and
+    k_new, v_new [B, N, KVH, D] (new key i where mask[..., length + i]) -> [B, N, H, D]; on a CPU the native
+    kernel, which reads only the committed slots, else XLA's batched products over the whole buffer."""
+    xla = functools.partial(_attend_cache, scale=scale, softcap=softcap)
+    return cpu_kernel.cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale, softcap, xla)
 
 
 def _attend_cache(q, k_old, v_old, k_new, v_new, length, mask, scale, softcap=None):

@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxspec.cache import Cache, KVEntry
 from jaxspec.config import DrafterConfig
-from jaxspec.models.attention import Attention, AttentionSpec
+from jaxspec.models.attention import Attention, AttentionSpec, attend_cache
 from jaxspec.models.layers import MLP, Linear, RMSNorm
 
 
@@ -30,17 +30,29 @@ def attention_spec(cfg: DrafterConfig, layer: int) -> AttentionSpec:
     )
 
 
-def block_attention(attn: Attention, x, positions, ctx_k, ctx_v, ctx_mask, ctx_pos):
+def block_attention(attn: Attention, x, positions, ctx_k, ctx_v, ctx_mask, ctx_pos, length=None):
     """Block x [B, Bk, H] attends to [context (ctx_mask [B, T]) | whole block], non-causally.
 
-    ctx_k, ctx_v: [B, KVH, T, D] context K/V (computed once per committed token); ctx_pos: [B, T]."""
+    ctx_k, ctx_v: [B, KVH, T, D] context K/V (computed once per committed token); ctx_pos: [B, T]. When
+    drafting, ctx_k, ctx_v are the drafter's cache and `length` its committed slots: the block's keys stand
+    beside them at slots length.., and the attention reads only the committed slots (`attend_cache`, the CPU
+    kernel: 0.1-0.2 ms of a SmolLM2 round after 128 tokens, 0.5 after 1500, where XLA's form over the whole
+    buffer took 0.3 ms at 256 slots and 0.7-0.9 at 1024 or 2048).
+    Training (length None) gives every block its own context mask over one shared sequence."""
     B, N, _ = x.shape
+    T = ctx_mask.shape[1]
     q, kb, vb = attn.qkv(x, positions)  # q [B, Bk, heads, D], kb, vb [B, Bk, KVH, D]
-    k = jnp.concatenate([ctx_k, kb.transpose(0, 2, 1, 3).astype(ctx_k.dtype)], axis=2)
-    v = jnp.concatenate([ctx_v, vb.transpose(0, 2, 1, 3).astype(ctx_v.dtype)], axis=2)
-    cm = jnp.broadcast_to(ctx_mask[:, None, :], (B, N, ctx_mask.shape[1]))  # [B, Bk, T]
+    cm = jnp.broadcast_to(ctx_mask[:, None, :], (B, N, T))  # [B, Bk, T]
     if attn.spec.window is not None:  # sliding layers see only the last `window` context positions
         cm = cm & (positions[:, :, None] - ctx_pos[:, None, :] < attn.spec.window)
+    if length is not None:
+        slot = jnp.arange(T)
+        s0 = jnp.clip(length, 0, T - N)  # where attend_cache reads the new keys' visibility
+        o = attend_cache(q, ctx_k, ctx_v, kb, vb, length, cm | ((slot >= s0) & (slot < s0 + N)), attn.spec.scale,
+                         attn.spec.softcap)
+        return attn.o_proj(o.reshape(B, N, -1))
+    k = jnp.concatenate([ctx_k, kb.transpose(0, 2, 1, 3).astype(ctx_k.dtype)], axis=2)
+    v = jnp.concatenate([ctx_v, vb.transpose(0, 2, 1, 3).astype(ctx_v.dtype)], axis=2)
     mask = jnp.concatenate([cm, jnp.ones((B, N, N), bool)], axis=2)
     return attn.output(q, k, v, mask)
 
@@ -52,8 +64,9 @@ class DraftLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, "silu", dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, ctx_k, ctx_v, ctx_mask, ctx_pos):
-        x = x + block_attention(self.self_attn, self.input_layernorm(x), positions, ctx_k, ctx_v, ctx_mask, ctx_pos)
+    def __call__(self, x, positions, ctx_k, ctx_v, ctx_mask, ctx_pos, length=None):
+        x = x + block_attention(self.self_attn, self.input_layernorm(x), positions, ctx_k, ctx_v, ctx_mask, ctx_pos,
+                                length)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -141,6 +154,6 @@ class DFlashDrafter(nnx.Module):
         ctx_pos = slot[None, :] - cache.start[:, None]
         x = block_emb
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, cache.layers[i].k, cache.layers[i].v, ctx_mask, ctx_pos)
+            x = layer(x, positions, cache.layers[i].k, cache.layers[i].v, ctx_mask, ctx_pos, cache.length)
         return self.norm(x)
 
