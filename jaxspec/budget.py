@@ -69,22 +69,25 @@ def measure_costs(model, drafter, acceptance: dict[int, float], lookup: bool = T
 
     A round is everything `generate` pays for: the draft, the tree build (with `lookup`, the prompt lookup and
     its merge), the verify of 1 + b nodes, the acceptance walk and the commit; timing isolated forwards instead
-    left the bookkeeping out and paid a dispatch per call. Budgets go in increasing order, each in `reps`
-    repetitions of `tokens` tokens interleaved with as many AR steps, and each keeps its fastest repetition
-    (a shared machine's noise only adds time) as a ratio to the fastest AR step of the same spell, as the
-    machine's speed drifts between spells. Rounds only grow with the tree, so the timing stops at the first
-    budget whose round costs more than even the table's best acceptance length could repay at the best rate
-    found so far."""
+    left the bookkeeping out and paid a dispatch per call. Each budget is first compiled and timed twice, in
+    increasing order, stopping at the first budget whose round costs more than even the table's best acceptance
+    length could repay at the best rate found so far (rounds only grow with the tree). Then `reps` - 2 passes go
+    over every kept budget in turn, `tokens` tokens each, each chunk of rounds right after as many AR steps. A
+    round costs the median of its chunks' ratios to the AR chunk before them, times the fastest AR step. A VM's
+    speed moves in spells of seconds, and not by the same factor for AR steps and rounds (on the 2-core EPYC VM
+    AR steps took 12 or 16 ms, budget-8 rounds 17 to 21): the ratio of two neighbouring chunks shares their
+    spell, and interleaving gives every budget the same spells (timed one budget after another, a slow spell
+    fell on budget 8 alone and made `auto` pick 4, which decoded 1.3x slower in the same benchmark run)."""
     import numpy as np
 
     from jaxspec import engine
     from jaxspec.api import round_up
     from jaxspec.sampling import SamplingParams
 
-    L, n_total = COST_CONTEXT // 2, (reps + 1) * tokens
+    L, dc = COST_CONTEXT // 2, drafter.config
+    ar_len, spec_len = max(reps, 2) * tokens, (max(reps, 2) + 1) * (tokens + dc.block_size)  # a call may overshoot by a round
     prompt = jnp.asarray(np.random.RandomState(0).randint(0, model.config.vocab_size, (1, L)), jnp.int32)
     key, greedy, no_eos = jax.random.key(0), SamplingParams(), (-1,)
-    dc = drafter.config
 
     def ar(s, n):  # decode n more tokens -> (state, target forwards made)
         steps = int(s.steps)
@@ -98,31 +101,43 @@ def measure_costs(model, drafter, acceptance: dict[int, float], lookup: bool = T
                                jnp.int32(int(s.emitted) + n), settings=settings)
         return s, int(s.rounds) - rounds
 
+    def timed(decode, state):  # -> (state, seconds per forward)
+        t = time.perf_counter()
+        state, forwards = decode(state, tokens)
+        return state, (time.perf_counter() - t) / forwards
+
+    def sample(b):  # one chunk of budget b's rounds right after one AR chunk: their ratio, and the AR step
+        ar_state, ar_t = timed(ar, states[b][0])
+        spec_state, round_t = timed(decoders[b], states[b][1])
+        states[b] = (ar_state, spec_state)
+        ratios[b].append(round_t / ar_t)
+        return ar_t
+
     ar0 = engine.ar_prefill(model.graphdef, model.params, prompt, jnp.zeros((1,), jnp.int32), key, jnp.int32(10**6),
-                            max_len=round_up(L + n_total, 256), out_len=n_total + 1, sampling=greedy, eos=no_eos,
+                            max_len=round_up(L + ar_len, 256), out_len=ar_len + 1, sampling=greedy, eos=no_eos,
                             layout=model.layout)
-    ar_s, ratio, prefilled = float("inf"), {}, {}
-    for b in sorted(acceptance):
+    timed(ar, jax.tree.map(jnp.copy, ar0))  # compiles (decoding consumes a state: copies)
+    # Per budget an AR state beside its round state, so both decode over contexts of the same length.
+    ar_s, ratios, decoders, states, prefilled = float("inf"), {}, {}, {}, {}
+    for b in sorted(acceptance):  # compile each budget and time it twice, while a larger one may still win
         settings = engine.SpecSettings("ddtree", b, dc.block_size, dc.target_layer_ids, greedy, no_eos,
                                        layout=model.layout, draft_layout=drafter.layout, lookup=lookup)
-        max_len = round_up(L + n_total + settings.nodes + dc.block_size, 256)  # as generate sizes it
+        max_len = round_up(L + spec_len + settings.nodes + dc.block_size, 256)  # as generate sizes it
         if max_len not in prefilled:  # the prefill does not depend on the budget: one per buffer size
             prefilled[max_len] = engine.spec_prefill(
                 model.graphdef, model.params, drafter.graphdef, drafter.params, prompt, jnp.int32(L), key,
-                jnp.int32(10**6), max_len=max_len, out_len=n_total + dc.block_size + 1, settings=settings)
-        decoders = (ar, functools.partial(spec, settings=settings))
-        states = [jax.tree.map(jnp.copy, ar0), jax.tree.map(jnp.copy, prefilled[max_len])]  # decoding consumes them
-        fastest = [float("inf"), float("inf")]  # AR step, round
-        for r in range(reps + 1):  # repetition 0 compiles
-            for i, decode in enumerate(decoders):
-                t = time.perf_counter()
-                states[i], forwards = decode(states[i], tokens)
-                if r:
-                    fastest[i] = min(fastest[i], (time.perf_counter() - t) / forwards)
-        ar_s, ratio[b] = min(ar_s, fastest[0]), fastest[1] / fastest[0]  # a round in AR steps of the same spell
-        if not larger_can_win(acceptance, ratio):
+                jnp.int32(10**6), max_len=max_len, out_len=spec_len + 1, settings=settings)
+        decoders[b] = functools.partial(spec, settings=settings)
+        spec_state, _ = timed(decoders[b], jax.tree.map(jnp.copy, prefilled[max_len]))  # compiles
+        states[b], ratios[b] = (jax.tree.map(jnp.copy, ar0), spec_state), []
+        for _ in range(2):
+            ar_s = min(ar_s, sample(b))
+        if not larger_can_win(acceptance, {c: statistics.median(r) for c, r in ratios.items()}):
             break
-    return dict(ar_step_s=ar_s, round_s={b: x * ar_s for b, x in ratio.items()})
+    for _ in range(reps - 2):
+        for b in decoders:
+            ar_s = min(ar_s, sample(b))
+    return dict(ar_step_s=ar_s, round_s={b: statistics.median(r) * ar_s for b, r in ratios.items()})
 
 
 def larger_can_win(acceptance: dict[int, float], round_s: dict[int, float]) -> bool:
