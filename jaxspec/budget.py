@@ -85,7 +85,8 @@ def measure_costs(model, drafter, acceptance: dict[int, float], lookup: bool = T
     from jaxspec.sampling import SamplingParams
 
     L, dc = COST_CONTEXT // 2, drafter.config
-    ar_len, spec_len = max(reps, 2) * tokens, (max(reps, 2) + 1) * (tokens + dc.block_size)  # a call may overshoot by a round
+    chunks = max(reps, 2)  # timed chunks per budget
+    ar_len, spec_len = chunks * tokens, (chunks + 1) * (tokens + dc.block_size)  # a call of rounds may overshoot by one
     prompt = jnp.asarray(np.random.RandomState(0).randint(0, model.config.vocab_size, (1, L)), jnp.int32)
     key, greedy, no_eos = jax.random.key(0), SamplingParams(), (-1,)
 
