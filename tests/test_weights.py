@@ -49,6 +49,43 @@ def test_smollm2_gguf_tokenizer(smollm2):
     assert smollm2[0].eos_token_ids and tok.eos_token_id in smollm2[0].eos_token_ids
 
 
+def test_gguf_tokenizer_is_kept_and_read_back(smollm2_gguf, tmp_path, monkeypatch):
+    """The GGUF's tokenizer is saved in the cache directory on first use and read back after: it encodes,
+    decodes and renders the chat template as transformers' tokenizer built from the GGUF does; a damaged copy
+    is built again, and another file (same size and time, another path) gets a copy of its own."""
+    import transformers
+
+    monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
+    path = Path(smollm2_gguf)
+    want = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    text = "Héllo wörld 日本語 <|im_end|>\n\tdef f(x):  return x ** 2  # 123"
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+
+    def same(tok):
+        assert tok("x" + text)["input_ids"] == want("x" + text)["input_ids"]
+        ids = want(text)["input_ids"]
+        assert tok.decode(ids, skip_special_tokens=True) == want.decode(ids, skip_special_tokens=True)
+        assert tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
+            want.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        assert (tok.eos_token_id, tok.bos_token_id, tok.all_special_ids) == (want.eos_token_id, want.bos_token_id,
+                                                                            want.all_special_ids)
+
+    same(jm._gguf_tokenizer(path))  # built from the GGUF, then saved
+    (saved,) = (tmp_path / "tokenizers").iterdir()
+    built = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda p, **kw: pytest.fail("read the GGUF again") if "gguf_file" in kw else built(p, **kw))
+    same(jm._gguf_tokenizer(path))  # read back
+    (saved / "tokenizer.json").write_text("{not json")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", built)
+    same(jm._gguf_tokenizer(path))  # the damaged copy is replaced
+    same(transformers.AutoTokenizer.from_pretrained(str(saved)))
+    copy = tmp_path / path.name
+    shutil.copy2(path, copy)  # same size and modification time, another path
+    same(jm._gguf_tokenizer(copy))  # another file: another copy
+    assert len(list((tmp_path / "tokenizers").iterdir())) == 2
+
+
 def test_smollm2_gguf_logits_and_greedy_match_transformers(smollm2):
     """Logits on a chat prompt agree to 1e-3 at a logit scale of ~30 (observed ~2e-4: float32 summation
     order over 30 layers); 32 greedy tokens equal transformers' generate."""
