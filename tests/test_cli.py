@@ -191,6 +191,29 @@ def test_bad_models(capsys, tmp_path, bare_dir, model_dir, drafter_dirs):
     assert_usage_error(*run(model_dir, "--drafter", drafter_dirs[1]), match="hidden_size")
 
 
+def test_command_keeps_its_compiled_loops(model_dir, tmp_path):
+    """`python -m jaxspec.generate` stores its compiled programs in the cache directory (JAX's persistent
+    compilation cache); a second run loads its decode loop from there (JAX's debug log says so) and prints
+    the same text."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAXSPEC_CACHE_DIR=str(tmp_path), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    cmd = [sys.executable, "-m", "jaxspec.generate", "--model", str(model_dir), "--prompt", PROMPT,
+           "--max-new-tokens", "8"]
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    kept = sorted(p.name for p in (tmp_path / "xla").iterdir())
+    assert any(k.startswith("jit_ar_decode") for k in kept), kept
+    second = subprocess.run(cmd, env=env | {"JAX_LOGGING_LEVEL": "DEBUG"}, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == first.stdout
+    hits = [ln for ln in second.stderr.splitlines() if "hit" in ln.lower() and "'jit_ar_decode" in ln]
+    assert hits, "the second run compiled its decode loop again"
+
+
 def test_stream_holds_back_split_characters():
     """A byte-level tokenizer splits '日本' into 6 byte tokens; fed one at a time, the stream must print only
     whole characters and end with exactly the full text."""
