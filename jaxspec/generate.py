@@ -162,10 +162,18 @@ def keep_compiled() -> None:
 
     from jaxspec.budget import cache_dir
 
-    if jax.config.jax_compilation_cache_dir is None:
-        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
-        if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    if jax.config.jax_compilation_cache_dir is not None:
+        return
+    path = cache_dir() / "xla"
+    try:  # without a usable directory JAX would warn at every compile: compile every time instead
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return
+    if not os.access(path, os.W_OK):
+        return
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def run(args) -> None:

@@ -194,7 +194,7 @@ def test_bad_models(capsys, tmp_path, bare_dir, model_dir, drafter_dirs):
 def test_command_keeps_its_compiled_loops(model_dir, tmp_path):
     """`python -m jaxspec.generate` stores its compiled programs in the cache directory (JAX's persistent
     compilation cache); a second run loads its decode loop from there (JAX's debug log says so) and prints
-    the same text."""
+    the same text, as does a run whose cache directory cannot be made (without a warning per compile)."""
     import os
     import subprocess
     import sys
@@ -212,6 +212,11 @@ def test_command_keeps_its_compiled_loops(model_dir, tmp_path):
     assert second.stdout == first.stdout
     hits = [ln for ln in second.stderr.splitlines() if "hit" in ln.lower() and "'jit_ar_decode" in ln]
     assert hits, "the second run compiled its decode loop again"
+    (tmp_path / "file").write_text("")  # a cache directory that cannot be made: the same text, no cache warnings
+    env["JAXSPEC_CACHE_DIR"] = str(tmp_path / "file" / "cache")
+    third = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert third.returncode == 0 and third.stdout == first.stdout, third.stderr
+    assert "compilation cache" not in third.stderr, third.stderr
 
 
 def test_stream_holds_back_split_characters():

@@ -85,6 +85,17 @@ def test_cpu_kernel_without_a_compiler_says_so_once(tmp_path):
     assert len(notice) == 1 and "unavailable" in notice[0] and "Install a C++ compiler" in notice[0], r.stderr
 
 
+def test_cpu_kernel_without_a_cache_directory_says_so(tmp_path):
+    """A cache directory that cannot be made: the notice names it and its fix, not the compiler."""
+    (tmp_path / "file").write_text("")
+    env = {**os.environ, "JAXSPEC_CACHE_DIR": str(tmp_path / "file" / "cache")}
+    code = "from jaxspec.models import cpu_kernel as k; print(k.available())"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "False", r.stderr
+    notice = [ln for ln in r.stderr.splitlines() if ln.startswith("jaxspec:")]
+    assert len(notice) == 1 and "JAXSPEC_CACHE_DIR" in notice[0] and "compiler" not in notice[0], r.stderr
+
+
 @pytest.mark.parametrize("name,group,cols", [
     ("int4-g32-offset", 32, 192), ("int4-g32", 32, 192), ("int8-g32", 32, 160),  # integer path, a partial slice
     ("int4-g32-offset", 128, 384), ("int8-channel", None, 192),  # integer path, a scale per whole slices

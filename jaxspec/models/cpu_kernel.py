@@ -80,9 +80,11 @@ def available() -> bool:
     except subprocess.CalledProcessError as e:
         lines = (e.stderr or "").strip().splitlines() or [f"exit code {e.returncode}"]
         why = next((ln for ln in lines if "error" in ln), lines[-1])  # the first error, not a caret line
-        return _unavailable(f"compiling {SOURCE.name} failed: {why.strip()}")
-    except OSError as e:
-        return _unavailable(str(e))
+        return _unavailable(f"compiling {SOURCE.name} failed: {why.strip()}", "Install a working C++ compiler (g++)")
+    except OSError as e:  # no compiler, or a cache directory that cannot be written
+        no_cxx = e.filename == os.environ.get("CXX", "c++")
+        return _unavailable(str(e), "Install a C++ compiler (g++)" if no_cxx else
+                            "Point JAXSPEC_CACHE_DIR at a writable directory")
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jaxspec_packed_matmul), platform="cpu")
     jax.ffi.register_ffi_target(DENSE, jax.ffi.pycapsule(lib.jaxspec_dense_matmul), platform="cpu")
     jax.ffi.register_ffi_target(DENSE_MANY, jax.ffi.pycapsule(lib.jaxspec_dense_many), platform="cpu")
@@ -91,9 +93,9 @@ def available() -> bool:
     return True
 
 
-def _unavailable(why: str) -> bool:
+def _unavailable(why: str, fix: str) -> bool:
     print(f"jaxspec: the CPU matmul kernels are unavailable ({why}); matmuls run XLA's forms "
-          "(same results, slower). Install a C++ compiler (g++) to enable them.", file=sys.stderr)
+          f"(same results, slower). {fix} to enable them.", file=sys.stderr)
     return False
 
 
