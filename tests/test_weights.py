@@ -86,6 +86,47 @@ def test_gguf_tokenizer_is_kept_and_read_back(smollm2_gguf, tmp_path, monkeypatc
     assert len(list((tmp_path / "tokenizers").iterdir())) == 2
 
 
+def test_gguf_index_is_kept_and_read_back(smollm2_gguf, tmp_path, monkeypatch):
+    """read_gguf's index of a GGUF (config, architecture, tensor table) is kept in the cache directory after
+    gguf's reader first parses the file; later reads take it from there and give the same config and the
+    same bytes for every tensor; a damaged copy sends the next read back to the file, and another path (same
+    size and time) gets a copy of its own."""
+    import gguf
+
+    from jaxspec.checkpoint import gguf as jg
+
+    monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path))
+    path = Path(smollm2_gguf)
+    reads = []
+    reader = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda p, *a: reads.append(p) or reader(p, *a))
+    want = reader(str(path))
+
+    def same(index):
+        assert index.config == jg.gguf_config(want) and index.arch == "llama"
+        assert [(t.name, t.tensor_type) for t in index.tensors] == [(t.name, t.tensor_type) for t in want.tensors]
+        for t, w in zip(index.tensors, want.tensors):
+            assert t.data.dtype == w.data.dtype and np.array_equal(t.data, w.data), t.name
+
+    same(jg._index(path))
+    assert len(reads) == 1
+    (saved,) = (tmp_path / "gguf").iterdir()
+    same(jg._index(path))
+    assert len(reads) == 1  # read back, not parsed
+    cfg, tensors = jg.read_gguf(path, native=True)
+    assert cfg == jg.gguf_config(want) and len(reads) == 1
+    name, packed = next((n, t) for n, t in tensors if not isinstance(t, np.ndarray))  # the Q8_0 embedding
+    embd = next(t for t in want.tensors if t.name == "token_embd.weight")
+    assert name == "model.embed_tokens.weight" and np.array_equal(packed.codes, jg.repack(embd.data, "Q8_0").codes)
+    saved.write_text(saved.read_text()[:-100])
+    same(jg._index(path))
+    assert len(reads) == 2  # the damaged copy: the file again
+    copy = tmp_path / path.name
+    shutil.copy2(path, copy)
+    jg._index(copy)
+    assert len(reads) == 3 and len(list((tmp_path / "gguf").iterdir())) == 2
+
+
 def test_smollm2_gguf_logits_and_greedy_match_transformers(smollm2):
     """Logits on a chat prompt agree to 1e-3 at a logit scale of ~30 (observed ~2e-4: float32 summation
     order over 30 layers); 32 greedy tokens equal transformers' generate."""

@@ -257,14 +257,76 @@ def repack(data: np.ndarray, type_name: str) -> PackedTensor:
     return PackedTensor(nibbles, d, m)
 
 
-def native_schemes(path: Path) -> dict[str, Scheme]:
-    """HF tensor name -> Scheme for every tensor of a .gguf file that native loading keeps packed."""
+@dataclass(frozen=True)
+class _Tensor:
+    """What this module reads of a gguf `ReaderTensor`."""
+
+    name: str
+    tensor_type: object  # gguf.GGMLQuantizationType
+    data: np.ndarray  # a view of the file: uint8 blocks for quantised types, else the values
+
+
+@dataclass(frozen=True)
+class _Index:
+    """A GGUF's config (gguf_config), architecture and tensor table, with each tensor a view of the file."""
+
+    config: dict
+    arch: str
+    tensors: tuple[_Tensor, ...]
+
+
+def _index(path: Path) -> _Index:
+    """The file's index, kept in the cache directory (`index-*.json` under `gguf/`) once gguf's reader has
+    built it: the reader parses every metadata string one by one (SmolLM2's 150k vocabulary strings: 3 s of
+    each load on the 2-core VM), and jaxspec needs only the config and where each tensor lies. The copy is
+    keyed by the file (path, size, modification time), the gguf version and this module's source, written to
+    a temporary name and renamed, and ignored if it cannot be read."""
+    import hashlib
+    import json
+    import os
+
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
-    arch = GGUF_ARCHS[_field(reader, "general.architecture")]
+    from jaxspec.budget import cache_dir
+
+    st = path.stat()
+    parts = (str(path.resolve()), st.st_size, st.st_mtime_ns, getattr(gguf, "__version__", ""),
+             Path(__file__).read_text())
+    saved = cache_dir() / "gguf" / f"index-{hashlib.sha256(repr(parts).encode()).hexdigest()[:24]}.json"
+    try:
+        d = json.loads(saved.read_text())
+        return _Index(d["config"], d["arch"], tuple(
+            _Tensor(t["name"], gguf.GGMLQuantizationType(t["type"]),
+                    np.memmap(path, dtype=np.dtype(t["dtype"]), mode="r", offset=t["offset"], shape=tuple(t["shape"])))
+            for t in d["tensors"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no copy yet, or a damaged one: read the file
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # the gguf package raises ValueError/struct errors/OSError for bad files
+        raise WeightsError(f"cannot read GGUF file {path}: {e}; the file is corrupt or not GGUF") from e
+    index = _Index(gguf_config(reader), _field(reader, "general.architecture"),
+                   tuple(_Tensor(t.name, t.tensor_type, t.data) for t in reader.tensors))
+    d = dict(config=index.config, arch=index.arch, tensors=[
+        dict(name=t.name, type=int(r.tensor_type), dtype=r.data.dtype.str, shape=list(r.data.shape),
+             offset=int(r.data_offset)) for t, r in zip(index.tensors, reader.tensors)])
+    if json.loads(json.dumps(d))["config"] == index.config:  # only what JSON keeps as it was (no tuples)
+        tmp = saved.with_name(f"{saved.name}.tmp{os.getpid()}")
+        try:
+            saved.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(d))
+            tmp.replace(saved)
+        except OSError:  # a read-only cache: read the file next time too
+            tmp.unlink(missing_ok=True)
+    return index
+
+
+def native_schemes(path: Path) -> dict[str, Scheme]:
+    """HF tensor name -> Scheme for every tensor of a .gguf file that native loading keeps packed."""
+    index = _index(path)
+    arch = GGUF_ARCHS[index.arch]
     out = {}
-    for t in reader.tensors:
+    for t in index.tensors:
         hf = arch.hf_name(t.name)
         if hf is not None and t.tensor_type.name in NATIVE_TYPES and len(t.data.shape) == 2:
             out[hf] = NATIVE_TYPES[t.tensor_type.name][1]
@@ -279,15 +341,12 @@ def read_gguf(path: Path, *, native: bool = False) -> tuple[dict, Iterator[tuple
     """
     import gguf
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # the gguf package raises ValueError/struct errors/OSError for bad files
-        raise WeightsError(f"cannot read GGUF file {path}: {e}; the file is corrupt or not GGUF") from e
-    cfg = gguf_config(reader)
-    arch = GGUF_ARCHS[_field(reader, "general.architecture")]
+    index = _index(path)
+    cfg = index.config
+    arch = GGUF_ARCHS[index.arch]
 
     def tensors():
-        for t in reader.tensors:
+        for t in index.tensors:
             hf = arch.hf_name(t.name)
             if hf is None:
                 continue
