@@ -282,6 +282,7 @@ def _index(path: Path) -> _Index:
     keyed by the file (path, size, modification time), the gguf version and this module's source, written to
     a temporary name and renamed, and ignored if it cannot be read."""
     import hashlib
+    import importlib.metadata
     import json
     import os
 
@@ -290,7 +291,7 @@ def _index(path: Path) -> _Index:
     from jaxspec.budget import cache_dir
 
     st = path.stat()
-    parts = (str(path.resolve()), st.st_size, st.st_mtime_ns, getattr(gguf, "__version__", ""),
+    parts = (str(path.resolve()), st.st_size, st.st_mtime_ns, importlib.metadata.version("gguf"),
              Path(__file__).read_text())
     saved = cache_dir() / "gguf" / f"index-{hashlib.sha256(repr(parts).encode()).hexdigest()[:24]}.json"
     try:
@@ -310,14 +311,19 @@ def _index(path: Path) -> _Index:
     d = dict(config=index.config, arch=index.arch, tensors=[
         dict(name=t.name, type=int(r.tensor_type), dtype=r.data.dtype.str, shape=list(r.data.shape),
              offset=int(r.data_offset)) for t, r in zip(index.tensors, reader.tensors)])
-    if json.loads(json.dumps(d))["config"] == index.config:  # only what JSON keeps as it was (no tuples)
-        tmp = saved.with_name(f"{saved.name}.tmp{os.getpid()}")
-        try:
-            saved.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(d))
-            tmp.replace(saved)
-        except OSError:  # a read-only cache: read the file next time too
-            tmp.unlink(missing_ok=True)
+    try:
+        text = json.dumps(d)
+    except (TypeError, ValueError):
+        return index
+    if json.loads(text)["config"] != index.config:  # only what JSON keeps as it was (no tuples)
+        return index
+    tmp = saved.with_name(f"{saved.name}.tmp{os.getpid()}")
+    try:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        tmp.replace(saved)
+    except OSError:  # a read-only cache: read the file next time too
+        tmp.unlink(missing_ok=True)
     return index
 
 
