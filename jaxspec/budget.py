@@ -26,6 +26,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from jaxspec.usercache import cache_dir
+
 ACCEPTANCE_FILE = "acceptance.json"
 COST_CONTEXT = 256  # twice the prompt the costs are timed after (a short chat turn)
 COST_FORMAT = 2  # 1: isolated forwards (draft_s, verify_s); 2: decode loops (ar_step_s, round_s)
@@ -44,11 +46,6 @@ def read_acceptance(path: Path) -> dict[int, float] | None:
     if not table or any(b < 1 or al < 1 for b, al in table.items()):
         raise ValueError(f"{f} holds no valid entries (budgets >= 1, acceptance lengths >= 1)")
     return table
-
-
-def cache_dir() -> Path:
-    env = os.environ.get("JAXSPEC_CACHE_DIR")
-    return Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxspec"
 
 
 def timeit(fn, *args, reps: int = 5) -> float:

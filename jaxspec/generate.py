@@ -160,7 +160,7 @@ def keep_compiled() -> None:
     whether a process uses the cache, and a program importing jaxspec keeps its own choice."""
     import jax
 
-    from jaxspec.budget import cache_dir
+    from jaxspec.usercache import cache_dir
 
     if jax.config.jax_compilation_cache_dir is not None:
         return

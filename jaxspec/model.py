@@ -267,17 +267,14 @@ def _gguf_tokenizer(path: Path):
     4.1 s of every `python -m jaxspec.generate` with the bundled SmolLM2 on the 2-core VM, where reading back
     its saved files takes 0.08 s. The copy is keyed by the file (path, size, modification time) and the
     transformers version, written to a temporary name and renamed, and built again if it cannot be read."""
-    import hashlib
     import os
     import shutil
 
     import transformers
 
-    from jaxspec.budget import cache_dir
+    from jaxspec.usercache import derived_from
 
-    st = path.stat()
-    key = repr((str(path.resolve()), st.st_size, st.st_mtime_ns, transformers.__version__))
-    saved = cache_dir() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:24]
+    saved = derived_from(path, "tokenizers", transformers.__version__)
     if saved.is_dir():
         try:
             return transformers.AutoTokenizer.from_pretrained(str(saved))

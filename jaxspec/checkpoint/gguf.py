@@ -276,32 +276,32 @@ class _Index:
 
 
 def _index(path: Path) -> _Index:
-    """The file's index, kept in the cache directory (`index-*.json` under `gguf/`) once gguf's reader has
+    """The file's index, kept in the cache directory (under `gguf/`) once gguf's reader has
     built it: the reader parses every metadata string one by one (SmolLM2's 150k vocabulary strings: 3 s of
     each load on the 2-core VM), and jaxspec needs only the config and where each tensor lies. The copy is
     keyed by the file (path, size, modification time), the gguf version and this module's source, written to
     a temporary name and renamed, and ignored if it cannot be read."""
-    import hashlib
     import importlib.metadata
     import json
     import os
 
     import gguf
 
-    from jaxspec.budget import cache_dir
+    from jaxspec.usercache import derived_from
 
-    st = path.stat()
-    parts = (str(path.resolve()), st.st_size, st.st_mtime_ns, importlib.metadata.version("gguf"),
-             Path(__file__).read_text())
-    saved = cache_dir() / "gguf" / f"index-{hashlib.sha256(repr(parts).encode()).hexdigest()[:24]}.json"
     try:
-        d = json.loads(saved.read_text())
-        return _Index(d["config"], d["arch"], tuple(
-            _Tensor(t["name"], gguf.GGMLQuantizationType(t["type"]),
-                    np.memmap(path, dtype=np.dtype(t["dtype"]), mode="r", offset=t["offset"], shape=tuple(t["shape"])))
-            for t in d["tensors"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # no copy yet, or a damaged one: read the file
+        saved = derived_from(path, "gguf", importlib.metadata.version("gguf"), Path(__file__).read_text())
+    except OSError:  # no such file: the reader below says so
+        saved = None
+    if saved is not None:
+        try:
+            d = json.loads(saved.read_text())
+            return _Index(d["config"], d["arch"], tuple(
+                _Tensor(t["name"], gguf.GGMLQuantizationType(t["type"]), np.memmap(
+                    path, dtype=np.dtype(t["dtype"]), mode="r", offset=t["offset"], shape=tuple(t["shape"])))
+                for t in d["tensors"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # no copy yet, or a damaged one: read the file
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # the gguf package raises ValueError/struct errors/OSError for bad files
@@ -315,7 +315,7 @@ def _index(path: Path) -> _Index:
         text = json.dumps(d)
     except (TypeError, ValueError):
         return index
-    if json.loads(text)["config"] != index.config:  # only what JSON keeps as it was (no tuples)
+    if saved is None or json.loads(text)["config"] != index.config:  # keep only what JSON keeps as it was
         return index
     tmp = saved.with_name(f"{saved.name}.tmp{os.getpid()}")
     try:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.budget import cache_dir
+from jaxspec.usercache import cache_dir
 
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
 TARGET = "jaxspec_packed_matmul"
