@@ -18,7 +18,7 @@ import numpy as np
 from jaxspec.lookup import MAX_NGRAM, lookup_chain
 from jaxspec.train.data import Dataset
 
-DEPTH = 7
+DEPTH = 16
 DEFAULT = Path(__file__).resolve().parents[1] / "data/smollm2-135m-instruct/selfinstruct4.s0.npz"
 
 

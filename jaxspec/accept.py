@@ -23,7 +23,7 @@ def node_targets(logits, key, sp: SamplingParams):
 def accept_walk(tree: Tree, target_tokens, max_depth: int):
     """Walk the tree along `target_tokens` [N], the target's token at every node (node_targets).
 
-    max_depth (static) bounds the walk: the drafter's block_size - 1.
+    max_depth (static) bounds the walk: the deepest node of the tree (SpecSettings.tree_depth).
     Returns (path [D+1] int32: accepted node ids a_0 = 0 (root), a_1 .. a_k, then zeros; k: int32 [],
     the number of accepted draft nodes). The next bonus is target_tokens[path[k]].
     """

@@ -184,7 +184,7 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
         # The last round starts at L <= len + max_new - 2 and writes 1 + budget tree slots (target) and
         # block_size context rows (drafter) from there: scratch slots past the context length are fine.
         max_len = round_up(max(P, len(r) + max_new_tokens + settings.nodes + dc.block_size), 256)
-        out_len = round_up(max_new_tokens, 64) + dc.block_size
+        out_len = round_up(max_new_tokens, 64) + settings.round_tokens
         state = engine.spec_prefill(model.graphdef, model.params, drafter.graphdef, drafter.params,
                                     jnp.asarray(tokens), jnp.int32(len(r)), key, jnp.int32(max_new_tokens),
                                     max_len=max_len, out_len=out_len, settings=settings)

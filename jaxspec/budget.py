@@ -83,9 +83,13 @@ def measure_costs(model, drafter, acceptance: dict[int, float], lookup: bool = T
 
     L, dc = COST_CONTEXT // 2, drafter.config
     chunks = max(reps, 2)  # timed chunks per budget
-    ar_len, spec_len = chunks * tokens, (chunks + 1) * (tokens + dc.block_size)  # a call of rounds may overshoot by one
-    prompt = jnp.asarray(np.random.RandomState(0).randint(0, model.config.vocab_size, (1, L)), jnp.int32)
     key, greedy, no_eos = jax.random.key(0), SamplingParams(), (-1,)
+    settings_of = {b: engine.SpecSettings("ddtree", b, dc.block_size, dc.target_layer_ids, greedy, no_eos,
+                                          layout=model.layout, draft_layout=drafter.layout, lookup=lookup)
+                   for b in acceptance}
+    most = max(s.round_tokens for s in settings_of.values())  # a call of rounds may overshoot by one round
+    ar_len, spec_len = chunks * tokens, (chunks + 1) * (tokens + most)
+    prompt = jnp.asarray(np.random.RandomState(0).randint(0, model.config.vocab_size, (1, L)), jnp.int32)
 
     def ar(s, n):  # decode n more tokens -> (state, target forwards made)
         steps = int(s.steps)
@@ -118,8 +122,7 @@ def measure_costs(model, drafter, acceptance: dict[int, float], lookup: bool = T
     # Per budget an AR state beside its round state, so both decode over contexts of the same length.
     ar_s, ratios, decoders, states, prefilled = float("inf"), {}, {}, {}, {}
     for b in sorted(acceptance):  # compile each budget and time it twice, while a larger one may still win
-        settings = engine.SpecSettings("ddtree", b, dc.block_size, dc.target_layer_ids, greedy, no_eos,
-                                       layout=model.layout, draft_layout=drafter.layout, lookup=lookup)
+        settings = settings_of[b]
         max_len = round_up(L + spec_len + settings.nodes + dc.block_size, 256)  # as generate sizes it
         if max_len not in prefilled:  # the prefill does not depend on the budget: one per buffer size
             prefilled[max_len] = engine.spec_prefill(

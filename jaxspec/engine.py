@@ -28,7 +28,7 @@ from flax import nnx
 
 from jaxspec.accept import accept_walk, node_targets
 from jaxspec.cache import Cache
-from jaxspec.lookup import chain_logprobs, lookup_chain
+from jaxspec.lookup import MAX_DEPTH, chain_logprobs, lookup_chain
 from jaxspec.sampling import SamplingParams, sample
 from jaxspec.segment import Segment
 from jaxspec.sharding import Layout
@@ -156,6 +156,18 @@ class SpecSettings:
         return self.block_size - 1
 
     @property
+    def tree_depth(self) -> int:
+        """The deepest node a round verifies, so the most draft tokens it accepts: the drafter's block, or with
+        lookup a copied chain as deep as the budget allows (up to lookup.MAX_DEPTH)."""
+        reach = min(self.budget, MAX_DEPTH) if self.lookup and self.method == "ddtree" else 0
+        return max(self.depth, reach)
+
+    @property
+    def round_tokens(self) -> int:
+        """The most tokens one round emits (accepted drafts and the bonus): the output's margin past max_new."""
+        return self.tree_depth + 1
+
+    @property
     def draft_depth(self) -> int:
         """Draft rows a round needs: a tree of `budget` nodes is at most `budget` deep."""
         return min(self.budget, self.depth) if self.method == "ddtree" else self.depth
@@ -178,7 +190,7 @@ class SpecState:
     key: jax.Array
     max_new: jax.Array  # [] int32
     rounds: jax.Array  # [] speculative rounds (target verify forwards)
-    accepted_hist: jax.Array  # [depth + 1] rounds that accepted k draft tokens
+    accepted_hist: jax.Array  # [tree_depth + 1] rounds that accepted k draft tokens
     tree_nodes: jax.Array  # [] valid non-root tree nodes verified, summed over rounds
     history: jax.Array  # [max_len] the prompt, the committed tokens and the bonus, at their positions
 
@@ -202,14 +214,14 @@ def spec_prefill(target_def, target_params, drafter_def, drafter_params, tokens,
         cache=_pin(settings.layout, cache.advance(length)), draft_cache=draft_cache, bonus=bonus,
         out=jnp.zeros((out_len,), jnp.int32).at[0].set(bonus), emitted=jnp.int32(1),
         done=jnp.isin(bonus, jnp.asarray(settings.eos, jnp.int32)) | (max_new <= 1), key=key, max_new=max_new,
-        rounds=jnp.int32(0), accepted_hist=jnp.zeros((settings.depth + 1,), jnp.int32), tree_nodes=jnp.int32(0),
+        rounds=jnp.int32(0), accepted_hist=jnp.zeros((settings.round_tokens,), jnp.int32), tree_nodes=jnp.int32(0),
         history=history,
     )
 
 
 def spec_round(target, drafter, s: SpecState, settings: SpecSettings) -> SpecState:
     """One speculative round (see the module docstring)."""
-    D = settings.depth
+    D = settings.tree_depth
     L = s.cache.length
     pos = L - s.cache.start[0]  # the bonus' position
     key, k_verify = jax.random.split(s.key)

@@ -3,7 +3,10 @@
 Small targets repeat themselves (lists, code, restated questions), and a repetition is something a
 learned drafter predicts poorly but the context spells out. At each round the longest suffix of the
 context (at most MAX_NGRAM tokens, the bonus included) is looked up at its latest earlier occurrence, and
-the tokens that followed it there form a chain below the root. Each chain token is scored with how often
+the tokens that followed it there form a chain below the root. The chain is not cut at the drafter's block: a
+copy is often right far past it, so it reaches as deep as the budget allows (up to MAX_DEPTH nodes, the
+verified tree then deeper than the block) and a round inside a repetition commits up to budget + 1 tokens.
+Each chain token is scored with how often
 such a token is right (CHAIN_ACCURACY, by the matched length), the chain is merged into the drafter's tree
 (tree.add_chain) and the best `budget` nodes of the union are kept (tree.prune): the verify costs what it
 did without lookup, and chain nodes displace only draft nodes less likely to be accepted. The target
@@ -21,13 +24,15 @@ import jax.numpy as jnp
 
 MAX_NGRAM = 4  # the longest suffix looked up; shorter ones are tried when it never occurred before
 
-# P(chain token i right | the tokens before it right), row n - 1 for an n-token match, i = 0..6 (deeper
+MAX_DEPTH = 32  # the deepest chain: a copy may run far past the drafter's block, as deep as the budget allows
+
+# P(chain token i right | the tokens before it right), row n - 1 for an n-token match, i = 0..15 (deeper
 # tokens reuse the last column): measured by bench/lookup_table.py on SmolLM2-135M-Instruct's greedy answers
 # to training prompts (data/smollm2-135m-instruct/selfinstruct4.s0.npz).
-CHAIN_ACCURACY = ((0.20, 0.56, 0.63, 0.66, 0.77, 0.78, 0.82),
-                  (0.54, 0.64, 0.69, 0.76, 0.79, 0.83, 0.86),
-                  (0.62, 0.69, 0.76, 0.80, 0.83, 0.86, 0.84),
-                  (0.87, 0.90, 0.92, 0.93, 0.94, 0.94, 0.95))
+CHAIN_ACCURACY = ((0.20, 0.56, 0.63, 0.66, 0.77, 0.78, 0.82, 0.84, 0.80, 0.87, 0.84, 0.93, 0.85, 0.91, 0.86, 0.88),
+                  (0.54, 0.64, 0.69, 0.76, 0.79, 0.83, 0.86, 0.84, 0.89, 0.88, 0.91, 0.89, 0.92, 0.90, 0.92, 0.91),
+                  (0.62, 0.69, 0.76, 0.80, 0.83, 0.86, 0.84, 0.89, 0.88, 0.91, 0.89, 0.92, 0.90, 0.92, 0.91, 0.95),
+                  (0.87, 0.90, 0.92, 0.93, 0.94, 0.94, 0.95, 0.95, 0.96, 0.96, 0.97, 0.97, 0.97, 0.98, 0.98, 0.98))
 
 
 def lookup_chain(history: jax.Array, n_valid, depth: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -54,6 +59,6 @@ def lookup_chain(history: jax.Array, n_valid, depth: int) -> tuple[jax.Array, ja
 
 def chain_logprobs(n, depth: int) -> jax.Array:
     """[depth] log-probability of each chain token given the ones before, for an n-token match (n >= 1)."""
-    table = jnp.log(jnp.asarray(CHAIN_ACCURACY, jnp.float32))  # [MAX_NGRAM, 7]
+    table = jnp.log(jnp.asarray(CHAIN_ACCURACY, jnp.float32))  # [MAX_NGRAM, 16]
     cols = jnp.minimum(jnp.arange(depth), table.shape[1] - 1)
     return table[jnp.clip(n - 1, 0, MAX_NGRAM - 1), cols]

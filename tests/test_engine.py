@@ -86,7 +86,7 @@ def test_tree_oracle(target, budget):
 
 @pytest.mark.parametrize("method,budget,lookup", [("dflash", None, False), ("ddtree", 1, False), ("ddtree", 4, False),
                                                   ("ddtree", 16, False), ("ddtree", 64, False), ("dflash", None, True),
-                                                  ("ddtree", 4, True)])
+                                                  ("ddtree", 4, True), ("ddtree", 32, True)])
 def test_lossless_greedy_oracle(target, ar_ref, method, budget, lookup):
     d = oracle_drafter(target, PROMPT + ar_ref, noise=0.3, max_rank=3)
     res = jaxspec.generate(target, input_ids=PROMPT, drafter=d, method=method, budget=budget, max_new_tokens=200,
@@ -120,7 +120,8 @@ def test_lossless_greedy_random_drafter(target, ar_ref, method, budget):
 def test_lookup_in_the_loop(target, ar_ref):
     """Prompt lookup inside the decode loop: with a random drafter, whose few-percent guesses a lookup chain
     outscores, every round accepts at least as far as the chain the lookup reference copies from the context
-    agrees with the output, and more tokens per round than without lookup."""
+    agrees with the output, to the drafter's block depth (deeper chain nodes compete with the drafter's: see
+    test_lookup_copies_past_the_block)."""
     d = jaxspec.init_drafter(target, num_layers=1, block_size=8, seed=3)
     chunks = []
     res = jaxspec.generate(target, input_ids=PROMPT, drafter=d, method="ddtree", budget=32, lookup=True,
@@ -135,14 +136,31 @@ def test_lookup_in_the_loop(target, ar_ref):
         assert c >= min(agree + 1, len(out) - p)
         chained, p = chained + agree, p + c
     assert chained > 0
-    plain = jaxspec.generate(target, input_ids=PROMPT, drafter=d, method="ddtree", budget=32, max_new_tokens=100,
-                             lookup=False)
-    assert res.stats["acceptance_length"] > plain.stats["acceptance_length"]
+
+
+def test_lookup_copies_past_the_block():
+    """A lookup chain is not cut at the drafter's block: where the output repeats (this Gemma 3 target settles
+    on one token at a time), rounds verify and commit copies of up to the budget's 32 tokens through the real
+    attention caches, sliding windows included, and the output stays AR's, at far more tokens per round than
+    without lookup. (Where an output does not repeat, as the other tiny targets' here, there is nothing to copy.)"""
+    m = tiny_target("gemma3")
+    ar = jaxspec.generate(m, input_ids=PROMPT, method="ar", max_new_tokens=120).token_ids
+    d = jaxspec.init_drafter(m, num_layers=1, block_size=8, seed=3)
+    res = jaxspec.generate(m, input_ids=PROMPT, drafter=d, method="ddtree", budget=32, lookup=True,
+                           max_new_tokens=120)
+    assert res.token_ids == ar
+    hist = res.stats["accepted_length_histogram"]
+    deepest = max(k for k, n in enumerate(hist) if n)
+    assert len(hist) == 33 and sum(hist[8:]) >= 3 and deepest >= 16, hist  # rounds that accepted past the block
+    plain = jaxspec.generate(m, input_ids=PROMPT, drafter=d, method="ddtree", budget=32, lookup=False,
+                             max_new_tokens=120)
+    assert res.stats["acceptance_length"] > 2 * plain.stats["acceptance_length"]
 
 
 def test_stops_mid_round(target, ar_ref):
     d = oracle_drafter(target, PROMPT + ar_ref)  # noise 0: every round accepts the whole block
-    res = jaxspec.generate(target, input_ids=PROMPT, drafter=d, method="ddtree", budget=16, max_new_tokens=37)
+    res = jaxspec.generate(target, input_ids=PROMPT, drafter=d, method="ddtree", budget=16, max_new_tokens=37,
+                           lookup=False)  # (a lookup chain may reach a 16th node, past the block)
     assert res.token_ids == ar_ref[:37]
     assert res.stats["rounds"] < 37 // 4
     # 36 tokens after the prefill's: whole blocks of 16 (k = 15 accepted + bonus) and a last round cut to 4;

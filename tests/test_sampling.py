@@ -315,15 +315,16 @@ def test_lossless_sampling_pairs(family, method, budget, noise, temperature, top
     levels, greedy = spec_levels(family, scale, seed, temperature, top_k, top_p, tuple(prompt))
     d = (oracle_drafter(model, prompt + greedy, noise=noise, max_rank=2, block_size=SPEC_BLOCK) if noise is not None
          else jaxspec.init_drafter(model, num_layers=1, block_size=SPEC_BLOCK, seed=0))
-    samples, hist, full_first = [], np.zeros(SPEC_BLOCK, int), 0
+    samples, hist, full_first = [], np.zeros(64, int), 0  # a lookup chain may reach past the block
     for s in range(runs):
         r = jaxspec.generate(model, input_ids=prompt, drafter=d, method=method, budget=budget,
                              max_new_tokens=SPEC_BLOCK + 1, temperature=temperature, top_k=top_k, top_p=top_p, seed=s,
                              lookup=lookup)
         samples.append(r.token_ids)
-        hist += r.stats["accepted_length_histogram"]
+        h = r.stats["accepted_length_histogram"]
+        hist[:len(h)] += h
         full_first += r.stats["rounds"] == 1  # 1 round = round 1 accepted all drafts: token 5 is its bonus
     check_distribution(samples, levels, SPEC_BLOCK + 1, f"{family} {method} T={temperature} k={top_k} p={top_p}")
     assert hist[2:].sum() >= 150, hist  # rounds that accepted a node at depth >= 2
-    assert hist[SPEC_BLOCK - 1] >= 100, hist  # fully accepted blocks, each followed by its bonus
+    assert hist[SPEC_BLOCK - 1:].sum() >= 100, hist  # fully accepted blocks (or deeper chains), then a bonus
     assert full_first >= 100, full_first
