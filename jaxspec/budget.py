@@ -25,12 +25,23 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec.usercache import cache_dir
 
 ACCEPTANCE_FILE = "acceptance.json"
 COST_CONTEXT = 256  # twice the prompt the costs are timed after (a short chat turn)
-COST_FORMAT = 2  # 1: isolated forwards (draft_s, verify_s); 2: decode loops (ar_step_s, round_s)
+COST_FORMAT = 3  # 1: isolated forwards; 2: decode loops after random tokens; 3: the same after COST_PROMPT
+# What the rounds are timed after, where the model has a tokenizer: a user's question, so the drafter's trees and
+# the lookup's chains are shaped as in use. After random tokens a round cost more: on the 2-core EPYC VM budget
+# 8's took 20.8 ms after 128 random tokens and 17.8 ms after this prompt, chunks interleaved in one process
+# (the cause is not known), and `auto` chose budget 4 where 8 decoded fastest in the same benchmark.
+COST_PROMPT = ("I am planning a small vegetable garden behind my house. The plot gets about six hours of sun in the "
+               "morning, the soil is heavy clay, and we often have dry spells in late summer. I would like to grow "
+               "tomatoes, beans, lettuce and a few herbs, and I do not want to spend much money on tools or "
+               "fertiliser. My neighbour says I should build raised beds, but my brother thinks I can simply dig in "
+               "compost every spring. Which approach would you recommend for a beginner, how should I prepare the "
+               "soil this autumn, and what should I plant first next year? Please explain your reasoning.")
 
 
 def read_acceptance(path: Path) -> dict[int, float] | None:
@@ -59,10 +70,20 @@ def timeit(fn, *args, reps: int = 5) -> float:
     return statistics.median(ts)
 
 
+def cost_prompt(model, length: int) -> list[int]:
+    """The last `length` tokens of COST_PROMPT as `generate` would encode it (in the chat form where the tokenizer
+    has one), or `length` random tokens for a model without a tokenizer."""
+    if model.tokenizer is None:
+        return np.random.RandomState(0).randint(0, model.config.vocab_size, length).tolist()
+    from jaxspec.api import encode_prompt
+
+    return encode_prompt(model, COST_PROMPT, None)[-length:]
+
+
 def measure_costs(model, drafter, acceptance: dict[int, float], lookup: bool = True, tokens: int = 8,
                   reps: int = 4) -> dict:
     """Seconds of one AR decode step and of one speculative round per budget of the `acceptance` table, timed
-    inside the jitted decode loops `generate` runs, after a prompt of COST_CONTEXT // 2 random tokens.
+    inside the jitted decode loops `generate` runs, after a prompt of up to COST_CONTEXT // 2 tokens (cost_prompt).
 
     A round is everything `generate` pays for: the draft, the tree build (with `lookup`, the prompt lookup and
     its merge), the verify of 1 + b nodes, the acceptance walk and the commit; timing isolated forwards instead
@@ -75,13 +96,13 @@ def measure_costs(model, drafter, acceptance: dict[int, float], lookup: bool = T
     AR steps took 12 or 16 ms, budget-8 rounds 17 to 21): the ratio of two neighbouring chunks shares their
     spell, and interleaving gives every budget the same spells (timed one budget after another, a slow spell
     fell on budget 8 alone and made `auto` pick 4, which decoded 1.3x slower in the same benchmark run)."""
-    import numpy as np
-
     from jaxspec import engine
     from jaxspec.api import round_up
     from jaxspec.sampling import SamplingParams
 
-    L, dc = COST_CONTEXT // 2, drafter.config
+    dc = drafter.config
+    ids = cost_prompt(model, COST_CONTEXT // 2)
+    L = len(ids)
     chunks = max(reps, 2)  # timed chunks per budget
     key, greedy, no_eos = jax.random.key(0), SamplingParams(), (-1,)
     settings_of = {b: engine.SpecSettings("ddtree", b, dc.block_size, dc.target_layer_ids, greedy, no_eos,
@@ -89,7 +110,7 @@ def measure_costs(model, drafter, acceptance: dict[int, float], lookup: bool = T
                    for b in acceptance}
     most = max(s.round_tokens for s in settings_of.values())  # a call of rounds may overshoot by one round
     ar_len, spec_len = chunks * tokens, (chunks + 1) * (tokens + most)
-    prompt = jnp.asarray(np.random.RandomState(0).randint(0, model.config.vocab_size, (1, L)), jnp.int32)
+    prompt = jnp.asarray([ids], jnp.int32)
 
     def ar(s, n):  # decode n more tokens -> (state, target forwards made)
         steps = int(s.steps)

@@ -1,10 +1,13 @@
 """budget="auto": the best measured entry of the drafter's acceptance table at this machine's costs."""
+import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 import jaxspec
 from jaxspec import budget as budget_mod
+from jaxspec import engine
 from jaxspec.budget import best_budget, larger_can_win, read_acceptance
 from test_engine import PROMPT, tiny_target
 
@@ -75,3 +78,26 @@ def test_bad_budget():
     for bad in ("fast", 0, 2.5):
         with pytest.raises(ValueError, match="or 'auto'"):
             jaxspec.generate(m, input_ids=PROMPT, drafter=d, budget=bad, max_new_tokens=4)
+
+
+class CharTokenizer:
+    """One token per character (mod 128), no chat template: an encoding the test can write out by hand."""
+    chat_template = None
+
+    def encode(self, text):
+        return [ord(c) % 128 for c in text]
+
+
+def test_costs_are_timed_after_text(monkeypatch):
+    """With a tokenizer the rounds are timed after COST_PROMPT as generate encodes it (its last COST_CONTEXT // 2
+    tokens: trees and lookup chains shaped as in use); a model without one gets random tokens."""
+    m = tiny_target("qwen3")
+    d = jaxspec.init_drafter(m, num_layers=1, block_size=8, seed=3)
+    seen = []
+    prefill = engine.spec_prefill
+    monkeypatch.setattr(engine, "spec_prefill", lambda tg, tp, dg, dp, tokens, *a, **k: (
+        seen.append(np.asarray(tokens)[0].tolist()), prefill(tg, tp, dg, dp, tokens, *a, **k))[1])
+    budget_mod.measure_costs(dataclasses.replace(m, tokenizer=CharTokenizer()), d, {2: 1.5}, reps=2)
+    assert seen == [[ord(c) % 128 for c in budget_mod.COST_PROMPT][-(budget_mod.COST_CONTEXT // 2):]]
+    plain = budget_mod.cost_prompt(m, 16)
+    assert len(plain) == 16 and all(0 <= t < m.config.vocab_size for t in plain)
