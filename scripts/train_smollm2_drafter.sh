@@ -47,4 +47,4 @@ python -m jaxspec.train --out "$OUT" --work "$WORK" --no-prompts \
     --eval-every 500 --eval-prompts 8 --patience 3 --ckpt-every 250 --save-dtype bfloat16
 
 # held-out benchmark (the first 8 held-out prompts); writes $OUT/acceptance.json, the acceptance table budget="auto" reads
-python bench/spec.py --drafter "$OUT" --budgets 2,4,8,16,32,64 --prompts 8 --save-acceptance
+python bench/spec.py --drafter "$OUT" --budgets 2,4,8,10,12,16,32,64 --prompts 8 --save-acceptance
