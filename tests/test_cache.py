@@ -3,7 +3,8 @@
 After a verify forward over a random tree behind a committed prefix and the commit of an accepted path, the
 cache equals the cache of a plain causal prefill of prefix + accepted tokens (float32, tight tolerance), and
 the next forward's logits agree. Cases: only the root accepted, a path to the deepest node, a random path,
-and a tree that ends exactly at the end of the cache. Right padding in a prefill is never committed.
+a tree that ends exactly at the end of the cache, and a 32-node chain with side branches accepted whole (a
+lookup copy, which reaches past the drafter's block). Right padding in a prefill is never committed.
 
 Written once for every family: a new family adds its tiny targets to `TARGETS` (the comparison reads the
 cache's logical axes: buffers with a `seq` axis are compared over the committed slots only, every other
@@ -117,13 +118,28 @@ def assert_same_cache(got, want, atol=ATOL):
         np.testing.assert_allclose(a, b, rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("case", ["root_only", "deepest", "random", "at_cache_end"])
+def chain_tree(rng, depth: int, side: int):
+    """A chain root -> 1 -> .. -> depth (a lookup copy past the drafter's block) and `side` nodes hanging off its
+    first levels (the drafter's alternatives), as random_tree returns it."""
+    parents = np.r_[-1, np.arange(depth), rng.integers(0, 4, side)]
+    n = depth + 1 + side
+    d, vis = np.zeros(n, int), np.eye(n, dtype=bool)
+    for i in range(1, n):
+        d[i], vis[i] = d[parents[i]] + 1, vis[i] | vis[parents[i]]
+    return parents, d, vis
+
+
+CASES = ["root_only", "deepest", "random", "at_cache_end", "long_chain"]
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_verify_commit_equals_causal_prefill(target, case):
-    rng = np.random.default_rng(["root_only", "deepest", "random", "at_cache_end"].index(case))
+    rng = np.random.default_rng(CASES.index(case))
     V = target.config.vocab_size
     prefix = rng.integers(0, V, PREFIX)
-    parents, depth, vis = random_tree(rng, NODES)
-    nodes = rng.integers(0, V, NODES)
+    parents, depth, vis = chain_tree(rng, 32, 7) if case == "long_chain" else random_tree(rng, NODES)
+    N = len(parents)
+    nodes = rng.integers(0, V, N)
     if case == "root_only":
         last = 0
     elif case == "random":
@@ -133,13 +149,14 @@ def test_verify_commit_equals_causal_prefill(target, case):
     path = np.flatnonzero(vis[last])  # root .. last, increasing (parents precede children)
     n = len(path)
     assert (case == "root_only") == (n == 1) and (case not in ("deepest", "at_cache_end") or n >= 4)
-    max_len = PREFIX + NODES if case == "at_cache_end" else 64  # the tree's last slot is the cache's last
+    assert case != "long_chain" or n == 33
+    max_len = PREFIX + N if case == "at_cache_end" else 64  # the tree's last slot is the cache's last
 
     cache = prefill(target, prefix, max_len)
     segment = Segment(positions=jnp.asarray(PREFIX + depth, jnp.int32)[None], visible=jnp.asarray(vis)[None],
-                      parents=jnp.asarray(parents, jnp.int32)[None], lengths=jnp.full((1,), NODES, jnp.int32))
+                      parents=jnp.asarray(parents, jnp.int32)[None], lengths=jnp.full((1,), N, jnp.int32))
     _, _, pending = forward(target.graphdef, target.params, jnp.asarray(nodes, jnp.int32)[None], segment, cache)
-    padded_path = np.zeros(NODES, np.int32)  # static length; entries past n are ignored
+    padded_path = np.zeros(N, np.int32)  # static length; entries past n are ignored
     padded_path[:n] = path
     committed = pending.commit(jnp.asarray(padded_path), jnp.int32(n))
     want = prefill(target, np.r_[prefix, nodes[path]], max_len)
