@@ -32,10 +32,11 @@ from jaxspec.usercache import cache_dir
 ACCEPTANCE_FILE = "acceptance.json"
 COST_CONTEXT = 256  # twice the prompt the costs are timed after (a short chat turn)
 COST_FORMAT = 3  # 1: isolated forwards; 2: decode loops after random tokens; 3: the same after COST_PROMPT
-# What the rounds are timed after, where the model has a tokenizer: a user's question, so the drafter's trees and
-# the lookup's chains are shaped as in use. After random tokens a round cost more: on the 2-core EPYC VM budget
-# 8's took 20.8 ms after 128 random tokens and 17.8 ms after this prompt, chunks interleaved in one process
-# (the cause is not known), and `auto` chose budget 4 where 8 decoded fastest in the same benchmark.
+# What the rounds are timed after, where the model has a tokenizer: a user's question, so the rounds accept what
+# they do in use. After random tokens SmolLM2 repeats itself and a budget-8 round accepted about 8 tokens (200
+# tokens in 23 rounds, against 107 after this prompt), so a chunk of `tokens` was one round carrying a whole
+# call's dispatch and read-back (2-4 ms): budget 8's round read 20.8 ms there and 17.8 ms here (the same ops,
+# 18.2 ms, in a profile of both), and `auto` chose budget 4 where 8 decoded fastest in the same benchmark.
 COST_PROMPT = ("I am planning a small vegetable garden behind my house. The plot gets about six hours of sun in the "
                "morning, the soil is heavy clay, and we often have dry spells in late summer. I would like to grow "
                "tomatoes, beans, lettuce and a few herbs, and I do not want to spend much money on tools or "
