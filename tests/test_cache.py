@@ -90,13 +90,18 @@ def prefill(model, tokens, max_len, *, pad_to=None):
     return cache.advance(T)
 
 
-def random_tree(rng, n):
-    """Parents (earlier nodes; biased to the last two so trees get deep), depths, host ancestor mask."""
-    parents = np.array([-1] + [int(rng.integers(max(0, i - 2), i)) for i in range(1, n)])
+def tree_of(parents):
+    """Parents (-1 for the root, else an earlier node) -> (parents, depths, host ancestor mask)."""
+    n = len(parents)
     depth, vis = np.zeros(n, int), np.eye(n, dtype=bool)
     for i in range(1, n):
         depth[i], vis[i] = depth[parents[i]] + 1, vis[i] | vis[parents[i]]
-    return parents, depth, vis
+    return np.asarray(parents), depth, vis
+
+
+def random_tree(rng, n):
+    """A random tree of n nodes, each under one of the two nodes before it (so trees get deep): tree_of's triple."""
+    return tree_of([-1] + [int(rng.integers(max(0, i - 2), i)) for i in range(1, n)])
 
 
 def committed_view(cache):
@@ -120,13 +125,8 @@ def assert_same_cache(got, want, atol=ATOL):
 
 def chain_tree(rng, depth: int, side: int):
     """A chain root -> 1 -> .. -> depth (a lookup copy past the drafter's block) and `side` nodes hanging off its
-    first levels (the drafter's alternatives), as random_tree returns it."""
-    parents = np.r_[-1, np.arange(depth), rng.integers(0, 4, side)]
-    n = depth + 1 + side
-    d, vis = np.zeros(n, int), np.eye(n, dtype=bool)
-    for i in range(1, n):
-        d[i], vis[i] = d[parents[i]] + 1, vis[i] | vis[parents[i]]
-    return parents, d, vis
+    first levels (the drafter's alternatives): tree_of's triple."""
+    return tree_of(np.r_[-1, np.arange(depth), rng.integers(0, 4, side)])
 
 
 CASES = ["root_only", "deepest", "random", "at_cache_end", "long_chain"]
