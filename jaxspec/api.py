@@ -182,7 +182,8 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
         tokens = np.zeros((1, P), np.int32)  # right-padded; the forward is told the real length
         tokens[0, : len(r)] = r
         # The last round starts at L <= len + max_new - 2 and writes 1 + budget tree slots (target) and
-        # block_size context rows (drafter) from there: scratch slots past the context length are fine.
+        # round_tokens <= max(1 + budget, block_size) context rows (drafter) from there: scratch slots past the
+        # context length are fine.
         max_len = round_up(max(P, len(r) + max_new_tokens + settings.nodes + dc.block_size), 256)
         out_len = round_up(max_new_tokens, 64) + settings.round_tokens
         state = engine.spec_prefill(model.graphdef, model.params, drafter.graphdef, drafter.params,

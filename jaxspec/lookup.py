@@ -6,10 +6,10 @@ context (at most MAX_NGRAM tokens, the bonus included) is looked up at its lates
 the tokens that followed it there form a chain below the root. The chain is not cut at the drafter's block: a
 copy is often right far past it, so it reaches as deep as the budget allows (up to MAX_DEPTH nodes, the
 verified tree then deeper than the block) and a round inside a repetition commits up to budget + 1 tokens.
-Each chain token is scored with how often
-such a token is right (CHAIN_ACCURACY, by the matched length), the chain is merged into the drafter's tree
-(tree.add_chain) and the best `budget` nodes of the union are kept (tree.prune): the verify costs what it
-did without lookup, and chain nodes displace only draft nodes less likely to be accepted. The target
+Each chain token is scored with how often such a token is right (CHAIN_ACCURACY, by the matched length), the
+chain is merged into the drafter's tree (tree.add_chain) and the best `budget` nodes of the union are kept
+(tree.prune): the verify costs what it did without lookup, and chain nodes displace only draft nodes less
+likely to be accepted. The target
 verifies whatever is kept, so greedy output stays AR's and sampling keeps the target's distribution
 (accept.py's target-only rule accepts from any tree).
 
