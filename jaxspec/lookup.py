@@ -9,9 +9,8 @@ verified tree then deeper than the block) and a round inside a repetition commit
 Each chain token is scored with how often such a token is right (CHAIN_ACCURACY, by the matched length), the
 chain is merged into the drafter's tree (tree.add_chain) and the best `budget` nodes of the union are kept
 (tree.prune): the verify costs what it did without lookup, and chain nodes displace only draft nodes less
-likely to be accepted. The target
-verifies whatever is kept, so greedy output stays AR's and sampling keeps the target's distribution
-(accept.py's target-only rule accepts from any tree).
+likely to be accepted. The target verifies whatever is kept, so greedy output stays AR's and sampling keeps
+the target's distribution (accept.py's target-only rule accepts from any tree).
 
 Everything has static shapes and no loop: one [MAX_NGRAM, H] comparison against the history buffer finds the
 matches of every length at once (XLA:CPU compiles each op as a kernel of its own, and the decode loop is
