@@ -423,7 +423,7 @@ void kn_tile(const Dense& p, int64_t k0, int64_t j0, int64_t m0) {
     mask[c] = static_cast<__mmask16>((1u << std::clamp<int64_t>(p.N - j0 - 16 * c, 0, 16)) - 1);
   float* y = p.y + m0 * p.N + j0;
   __m512 acc[R][C];
-#pragma GCC unroll 20
+#pragma GCC unroll 24
   for (int i = 0; i < R * C; ++i) acc[i / C][i % C] = _mm512_setzero_ps();
   const float* w = p.w + k0 * p.N + j0;
   const float* x = p.x + m0 * p.K + k0;
@@ -436,14 +436,14 @@ void kn_tile(const Dense& p, int64_t k0, int64_t j0, int64_t m0) {
     __m512 wv[C];
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) wv[c] = _mm512_maskz_loadu_ps(mask[c], w + 16 * c);
-#pragma GCC unroll 5
+#pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const __m512 xb = _mm512_set1_ps(x[r * p.K + k]);
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xb, wv[c], acc[r][c]);
     }
   }
-#pragma GCC unroll 20
+#pragma GCC unroll 24
   for (int i = 0; i < R * C; ++i) {  // the block's sum joins the running sum (blocked: rounding ~ K / 32 + 32)
     float* yi = y + (i / C) * p.N + 16 * (i % C);
     const __m512 prev = k0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask[i % C], yi);
@@ -451,16 +451,24 @@ void kn_tile(const Dense& p, int64_t k0, int64_t j0, int64_t m0) {
   }
 }
 
-void kn_rows(const Dense& p, int64_t n0, int64_t n1) {  // n0: a multiple of 64; groups of 5 input rows
+// n0: a multiple of 64. Input rows go in groups of at most 6, as even as their count allows (11 rows: 6 + 5, not
+// 5 + 5 + 1, whose last group pays a whole pass over the tile's weights for 4 multiply-adds per load).
+void kn_rows(const Dense& p, int64_t n0, int64_t n1) {
+  const int64_t groups = (p.M + 5) / 6;
   for (int64_t k0 = 0; k0 < p.K; k0 += kKB)
     for (int64_t j = n0; j < n1; j += 64)
-      for (int64_t m = 0; m < p.M; m += 5) switch (std::min<int64_t>(5, p.M - m)) {
+      for (int64_t g = 0, m = 0; g < groups; ++g) {
+        const int64_t r = (p.M - m + groups - g - 1) / (groups - g);
+        switch (r) {
           case 1: kn_tile<1>(p, k0, j, m); break;
           case 2: kn_tile<2>(p, k0, j, m); break;
           case 3: kn_tile<3>(p, k0, j, m); break;
           case 4: kn_tile<4>(p, k0, j, m); break;
-          default: kn_tile<5>(p, k0, j, m);
+          case 5: kn_tile<5>(p, k0, j, m); break;
+          default: kn_tile<6>(p, k0, j, m);
         }
+        m += r;
+      }
 }
 
 // W [N, K]: outputs [n0, n0 + NR) x input rows [m0, m0 + R), dot products over k, 16 inputs at a time. Row
