@@ -26,7 +26,7 @@ def assert_product(got, x, w):
 @pytest.mark.parametrize("layout", ["kn", "nk", "nk_rows"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 11, 13, 17])
 def test_dense_kernel_tiles_tails_and_threads(layout, rows):
-    """Groups of 1-5 (W [K, N]) or 1-6 (W [V, K]) input rows, several groups split evenly, 70 inputs (a partial
+    """Groups of 1-6 input rows (W [K, N] and W [V, K]), several groups split evenly, 70 inputs (a partial
     32-input block and a partial 16-lane vector), 1500 outputs (partial 64-column tiles, a 4-row tail) split
     over XLA's threads, and a gathered row subset with a repeated index."""
     rng = np.random.default_rng(rows)
