@@ -93,10 +93,13 @@ def test_costs_are_timed_after_text(monkeypatch):
     tokens: trees and lookup chains shaped as in use); a model without one gets random tokens."""
     m = tiny_target("qwen3")
     d = jaxspec.init_drafter(m, num_layers=1, block_size=8, seed=3)
-    seen = []
-    prefill = engine.spec_prefill
-    monkeypatch.setattr(engine, "spec_prefill", lambda tg, tp, dg, dp, tokens, *a, **k: (
-        seen.append(np.asarray(tokens)[0].tolist()), prefill(tg, tp, dg, dp, tokens, *a, **k))[1])
+    seen, prefill = [], engine.spec_prefill
+
+    def spy(tg, tp, dg, dp, tokens, *args, **kwargs):  # the prompt each budget's rounds are timed after
+        seen.append(np.asarray(tokens)[0].tolist())
+        return prefill(tg, tp, dg, dp, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "spec_prefill", spy)
     budget_mod.measure_costs(dataclasses.replace(m, tokenizer=CharTokenizer()), d, {2: 1.5}, reps=2)
     assert seen == [[ord(c) % 128 for c in budget_mod.COST_PROMPT][-(budget_mod.COST_CONTEXT // 2):]]
     plain = budget_mod.cost_prompt(m, 16)
