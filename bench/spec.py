@@ -73,8 +73,8 @@ def component_times(model, drafter, budget, method, lookup, L=256, reps=30):
     T = L + 512
     rng = np.random.RandomState(0)
     prompt = jnp.asarray(rng.randint(0, model.config.vocab_size, (1, L)), jnp.int32)
-    state = engine.spec_prefill(tg, tp, dg, dp, prompt, jnp.int32(L), jax.random.key(0), jnp.int32(10**6),
-                                max_len=T, out_len=64 + settings.round_tokens, settings=settings)
+    state = engine.spec_prefill(model.jit_def, tp, drafter.jit_def, dp, prompt, jnp.int32(L), jax.random.key(0),
+                                jnp.int32(10**6), max_len=T, out_len=64 + settings.round_tokens, settings=settings)
     state = dataclasses.replace(state, emitted=jnp.int32(0))  # keep rounds from ending on max_new
 
     @jax.jit

@@ -150,7 +150,7 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
         tokens, start = left_pad(rows, P)
         full = round_up(P + max_new_tokens, 256)
         window = ar_window(model, B, full)
-        state = engine.ar_prefill(model.graphdef, model.params, jnp.asarray(tokens), jnp.asarray(start), key,
+        state = engine.ar_prefill(model.jit_def, model.params, jnp.asarray(tokens), jnp.asarray(start), key,
                                   jnp.int32(max_new_tokens), max_len=min(full, P + window),
                                   out_len=round_up(max_new_tokens, 64), sampling=sampling, eos=eos,
                                   layout=model.layout)
@@ -160,7 +160,7 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
             """Decode to `stop` tokens, growing the cache by windows: token n is written at slot P + n - 1."""
             while True:
                 room = s.cache.max_len - P + 1
-                s = engine.ar_decode(model.graphdef, model.params, s, jnp.int32(min(stop, room)), sampling=sampling,
+                s = engine.ar_decode(model.jit_def, model.params, s, jnp.int32(min(stop, room)), sampling=sampling,
                                      eos=eos, layout=model.layout)
                 if s.cache.max_len == full or count(s) >= stop or bool(np.all(to_host(s.done))):
                     return s
@@ -186,10 +186,10 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
         # context length are fine.
         max_len = round_up(max(P, len(r) + max_new_tokens + settings.nodes + dc.block_size), 256)
         out_len = round_up(max_new_tokens, 64) + settings.round_tokens
-        state = engine.spec_prefill(model.graphdef, model.params, drafter.graphdef, drafter.params,
+        state = engine.spec_prefill(model.jit_def, model.params, drafter.jit_def, drafter.params,
                                     jnp.asarray(tokens), jnp.int32(len(r)), key, jnp.int32(max_new_tokens),
                                     max_len=max_len, out_len=out_len, settings=settings)
-        step = lambda s, stop: engine.spec_decode(model.graphdef, model.params, drafter.graphdef,  # noqa: E731
+        step = lambda s, stop: engine.spec_decode(model.jit_def, model.params, drafter.jit_def,  # noqa: E731
                                                   drafter.params, s, jnp.int32(stop), settings=settings)
         count = lambda s: int(to_host(s.emitted))  # noqa: E731
 

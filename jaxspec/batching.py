@@ -81,7 +81,7 @@ def generate_many(model: Model, input_ids: list[list[int]], max_new_tokens: int 
     first_rows = [input_ids[i] for i in range(B)]
     P = round_up(max(map(len, first_rows)), 64)
     tokens, start = left_pad(first_rows, P)
-    state = engine.ar_prefill(model.graphdef, model.params, jnp.asarray(tokens), jnp.asarray(start),
+    state = engine.ar_prefill(model.jit_def, model.params, jnp.asarray(tokens), jnp.asarray(start),
                               jax.random.key(seed), jnp.asarray(limits[:B], jnp.int32), max_len=max(max_len, P),
                               out_len=chunk, **kw)
     for b, t in enumerate(to_host(state.out)[:, 0].tolist()):
@@ -100,7 +100,7 @@ def generate_many(model: Model, input_ids: list[list[int]], max_new_tokens: int 
             length = int(to_host(state.cache.length))
             if length < P:  # the new prompts must end at `length`: slide everything right
                 state = engine.ar_reslot(state, jnp.int32(length - P), max_len=state.cache.max_len, layout=model.layout)
-            state, first = engine.ar_refill(model.graphdef, model.params, state, jnp.asarray(rows, jnp.int32),
+            state, first = engine.ar_refill(model.jit_def, model.params, state, jnp.asarray(rows, jnp.int32),
                                             jnp.asarray(tokens), jnp.asarray(start),
                                             jnp.asarray([limits[i] for i in take] + [1] * (R - len(take)), jnp.int32),
                                             **kw)
@@ -115,7 +115,7 @@ def generate_many(model: Model, input_ids: list[list[int]], max_new_tokens: int 
             shift = int(to_host(state.cache.start)[live].min())
             state = engine.ar_reslot(state, jnp.int32(shift), max_len=state.cache.max_len, layout=model.layout)
         before = to_host(state.emitted)
-        state = engine.ar_decode(model.graphdef, model.params, state, jnp.int32(chunk), **kw)
+        state = engine.ar_decode(model.jit_def, model.params, state, jnp.int32(chunk), **kw)
         out, emitted, done = to_host(state.out), to_host(state.emitted), to_host(state.done)
         for b in live:
             partial[b] += out[b, : emitted[b] - before[b]].tolist()

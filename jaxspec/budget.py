@@ -115,13 +115,13 @@ def measure_costs(model, drafter, acceptance: dict[int, float], lookup: bool = T
 
     def ar(s, n):  # decode n more tokens -> (state, target forwards made)
         steps = int(s.steps)
-        s = engine.ar_decode(model.graphdef, model.params, s, jnp.int32(steps + n), sampling=greedy, eos=no_eos,
+        s = engine.ar_decode(model.jit_def, model.params, s, jnp.int32(steps + n), sampling=greedy, eos=no_eos,
                              layout=model.layout)
         return s, int(s.steps) - steps
 
     def spec(s, n, settings):  # the same for DDTree rounds
         rounds = int(s.rounds)
-        s = engine.spec_decode(model.graphdef, model.params, drafter.graphdef, drafter.params, s,
+        s = engine.spec_decode(model.jit_def, model.params, drafter.jit_def, drafter.params, s,
                                jnp.int32(int(s.emitted) + n), settings=settings)
         return s, int(s.rounds) - rounds
 
@@ -137,7 +137,7 @@ def measure_costs(model, drafter, acceptance: dict[int, float], lookup: bool = T
         ratios[b].append(round_t / ar_t)
         return ar_t
 
-    ar0 = engine.ar_prefill(model.graphdef, model.params, prompt, jnp.zeros((1,), jnp.int32), key, jnp.int32(10**6),
+    ar0 = engine.ar_prefill(model.jit_def, model.params, prompt, jnp.zeros((1,), jnp.int32), key, jnp.int32(10**6),
                             max_len=round_up(L + ar_len, 256), out_len=ar_len + 1, sampling=greedy, eos=no_eos,
                             layout=model.layout)
     timed(ar, jax.tree.map(jnp.copy, ar0))  # compiles (decoding consumes a state: copies)
@@ -148,7 +148,7 @@ def measure_costs(model, drafter, acceptance: dict[int, float], lookup: bool = T
         max_len = round_up(L + spec_len + settings.nodes + dc.block_size, 256)  # as generate sizes it
         if max_len not in prefilled:  # the prefill does not depend on the budget: one per buffer size
             prefilled[max_len] = engine.spec_prefill(
-                model.graphdef, model.params, drafter.graphdef, drafter.params, prompt, jnp.int32(L), key,
+                model.jit_def, model.params, drafter.jit_def, drafter.params, prompt, jnp.int32(L), key,
                 jnp.int32(10**6), max_len=max_len, out_len=spec_len + 1, settings=settings)
         decoders[b] = functools.partial(spec, settings=settings)
         spec_state, _ = timed(decoders[b], jax.tree.map(jnp.copy, prefilled[max_len]))  # compiles

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -16,7 +17,7 @@ from flax import nnx
 from jaxspec.budget import ACCEPTANCE_FILE, read_acceptance
 from jaxspec.checkpoint import DFLASH_ZLAB_RULES, WeightsError, load_params, read_safetensors
 from jaxspec.config import ConfigError, DrafterConfig, default_target_layer_ids, drafter_config_from_dict
-from jaxspec.model import Model
+from jaxspec.model import Model, StaticDef
 from jaxspec.models.dflash import DFlashDrafter
 from jaxspec.sharding import Layout
 
@@ -30,6 +31,11 @@ class Drafter:
     params: Any  # nnx.State of the DFlashDrafter
     layout: Layout | None = None  # sharded over its target's mesh, by the "drafter" rules
     acceptance: dict[int, float] | None = None  # {budget: acceptance length} on held-out prompts (budget.py)
+
+    @functools.cached_property
+    def jit_def(self) -> StaticDef:
+        """The graphdef as the engine's static jit argument (hashed once per handle)."""
+        return StaticDef(self.graphdef)
 
     @property
     def module(self) -> DFlashDrafter:

@@ -60,7 +60,7 @@ def _pin(layout: Layout | None, cache: Cache) -> Cache:
 def ar_prefill(target_def, target_params, tokens, start, key, max_new, *, max_len, out_len,
                sampling: SamplingParams, eos, layout: Layout | None = None) -> ARState:
     """Left-padded prompts tokens [B, P] (row b's first real slot is start[b]) -> state with the first token."""
-    target = nnx.merge(target_def, target_params)
+    target = nnx.merge(target_def.graphdef, target_params)
     B, P = tokens.shape
     cache, tok, key = _prefill(target, tokens, start, _pin(layout, target.init_cache(B, max_len).with_start(start)),
                                key, sampling)
@@ -85,7 +85,7 @@ def _prefill(target, tokens, start, cache: Cache, key, sampling: SamplingParams)
 def ar_decode(target_def, target_params, state: ARState, stop_at, *, sampling: SamplingParams, eos,
               layout: Layout | None = None) -> ARState:
     """Decode until every row is done or `stop_at` tokens exist (a chunk boundary for streaming)."""
-    target = nnx.merge(target_def, target_params)
+    target = nnx.merge(target_def.graphdef, target_params)
     eos_ids = jnp.asarray(eos, jnp.int32)
 
     def cond(s: ARState):  # a row is done once it has max_new tokens, so max_new needs no check here
@@ -113,7 +113,7 @@ def ar_refill(target_def, target_params, state: ARState, rows, tokens, start, ma
     tokens [R, P] left-padded (row r's first real slot start[r]) are prefilled into a fresh P-slot cache that
     put_rows places so each prompt ends at the batch's `length`; the rows then decode on with the others,
     `max_new` [R] tokens each. Returns the state (per-row max_new) and each new row's first token [R]."""
-    target = nnx.merge(target_def, target_params)
+    target = nnx.merge(target_def.graphdef, target_params)
     R, P = tokens.shape
     fresh, tok, key = _prefill(target, tokens, start, target.init_cache(R, P).with_start(start), state.key, sampling)
     put = lambda x, y: x.at[rows].set(y, mode="drop")  # noqa: E731
@@ -199,7 +199,7 @@ class SpecState:
 def spec_prefill(target_def, target_params, drafter_def, drafter_params, tokens, length, key, max_new, *,
                  max_len, out_len, settings: SpecSettings) -> SpecState:
     """Right-padded prompt tokens [1, P] (real length `length`) -> round state with the first bonus."""
-    target, drafter = nnx.merge(target_def, target_params), nnx.merge(drafter_def, drafter_params)
+    target, drafter = nnx.merge(target_def.graphdef, target_params), nnx.merge(drafter_def.graphdef, drafter_params)
     P = tokens.shape[1]
     segment = Segment.causal(jnp.arange(P, dtype=jnp.int32)[None], lengths=length)
     cache = _pin(settings.layout, target.init_cache(1, max_len))
@@ -260,6 +260,6 @@ def spec_round(target, drafter, s: SpecState, settings: SpecSettings) -> SpecSta
 def spec_decode(target_def, target_params, drafter_def, drafter_params, state: SpecState, stop_at, *,
                 settings: SpecSettings) -> SpecState:
     """Run rounds until done or until `stop_at` tokens exist (a chunk boundary for streaming)."""
-    target, drafter = nnx.merge(target_def, target_params), nnx.merge(drafter_def, drafter_params)
+    target, drafter = nnx.merge(target_def.graphdef, target_params), nnx.merge(drafter_def.graphdef, drafter_params)
     return jax.lax.while_loop(lambda s: ~s.done & (s.emitted < stop_at),
                               lambda s: spec_round(target, drafter, s, settings), state)

@@ -182,6 +182,25 @@ def test_streaming_chunks(target, ar_ref):
                 jaxspec.generate(target, input_ids=PROMPT, drafter=drafter, on_tokens=got.append, chunk_tokens=bad)
 
 
+def test_decode_calls_do_not_rehash_the_graphdef(monkeypatch):
+    """jit hashes its static arguments on every call; the engine's steps get graphdefs hashed once per handle
+    (Model.jit_def), so a streamed generation's chunk calls never walk a module tree again."""
+    target = tiny_target("llama")
+    ids = jaxspec.generate(target, input_ids=PROMPT, method="ar", max_new_tokens=40).token_ids
+    d = oracle_drafter(target, PROMPT + ids, noise=0.3)
+    for drafter in (None, d):  # compile first: tracing may hash
+        jaxspec.generate(target, input_ids=PROMPT, drafter=drafter, max_new_tokens=40, on_tokens=lambda t: None,
+                         chunk_tokens=4, budget=None if drafter is None else 4)
+    hashed = []
+    for g in {type(target.graphdef), type(d.graphdef)}:
+        monkeypatch.setattr(g, "__hash__", lambda self, h=g.__hash__: hashed.append(1) or h(self))
+    for drafter in (None, d):
+        chunks = []
+        jaxspec.generate(target, input_ids=PROMPT, drafter=drafter, max_new_tokens=40, on_tokens=chunks.append,
+                         chunk_tokens=4, budget=None if drafter is None else 4)
+        assert len(chunks) > 3
+    assert not hashed
+
 def test_batched_ar_grows_the_cache_by_windows(target, ar_ref, monkeypatch):
     """A left-padded batch decoded over three cache windows gives each row what a full-length cache gives it
     alone (and row 0 the AR reference)."""

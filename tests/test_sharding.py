@@ -88,7 +88,7 @@ def test_params_and_caches_are_sharded(name):
     m = target(name).on_mesh(jaxspec.make_mesh(tp=4, dp=2))
     embed = m.params["embed_tokens"][...]
     assert embed.sharding.spec == P("tp", None) and embed.addressable_shards[0].data.shape == (32, 64)
-    state = engine.ar_prefill(m.graphdef, m.params, jnp.zeros((2, 16), jnp.int32), jnp.zeros((2,), jnp.int32),
+    state = engine.ar_prefill(m.jit_def, m.params, jnp.zeros((2, 16), jnp.int32), jnp.zeros((2,), jnp.int32),
                               jax.random.key(0), jnp.int32(4), max_len=64, out_len=8, sampling=SamplingParams(),
                               eos=(-1,), layout=m.layout)
     want = m.layout.cache_shardings(state.cache)
@@ -138,13 +138,13 @@ def test_sharded_loops_lower_for_cuda(name):
     export = lambda f, *a, **k: jax.export.export(f, platforms=("cuda",))(*a, **k)  # noqa: E731
     sp, eos = SamplingParams(0.7, 5, 0.9), (1,)
     toks, key, n = jnp.zeros((1, 16), jnp.int32), jax.random.key(0), jnp.int32(8)
-    ar = export(engine.ar_prefill, m.graphdef, m.params, toks, jnp.zeros((1,), jnp.int32), key, n, max_len=64,
+    ar = export(engine.ar_prefill, m.jit_def, m.params, toks, jnp.zeros((1,), jnp.int32), key, n, max_len=64,
                 out_len=8, sampling=sp, eos=eos, layout=m.layout)
-    state = engine.ar_prefill(m.graphdef, m.params, toks, jnp.zeros((1,), jnp.int32), key, n, max_len=64,
+    state = engine.ar_prefill(m.jit_def, m.params, toks, jnp.zeros((1,), jnp.int32), key, n, max_len=64,
                               out_len=8, sampling=sp, eos=eos, layout=m.layout)
-    dec = export(engine.ar_decode, m.graphdef, m.params, state, n, sampling=sp, eos=eos, layout=m.layout)
+    dec = export(engine.ar_decode, m.jit_def, m.params, state, n, sampling=sp, eos=eos, layout=m.layout)
     settings = engine.SpecSettings("ddtree", 8, 4, d.config.target_layer_ids, sp, eos, "xla", m.layout, d.layout)
-    args = (m.graphdef, m.params, d.graphdef, d.params)
+    args = (m.jit_def, m.params, d.jit_def, d.params)
     spec_state = engine.spec_prefill(*args, toks, jnp.int32(11), key, n, max_len=64, out_len=16, settings=settings)
     spec = export(engine.spec_decode, *args, spec_state, n, settings=settings)
     for exp in (ar, dec, spec):
