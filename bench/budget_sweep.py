@@ -26,7 +26,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -58,8 +57,7 @@ def random_target(seed: int = 0) -> Model:
 
 def with_mode(model: Model, mode: str) -> Model:
     cfg = model.config.replace(gdn_mode=mode)
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: type(model.module)(cfg, rngs=nnx.Rngs(0))))
-    return Model(cfg, graphdef, model.params, model.tokenizer)
+    return model.with_config(cfg)
 
 
 def memory_per_layer(budget: int, dtype_bytes: int = 2, s=QWEN36_27B) -> dict:

@@ -1,4 +1,5 @@
-"""Few-row float32 products on this CPU: XLA's dot against jaxspec's kernel (`cpu_kernel.dense`), measured in
+"""Few-row float32 products on this CPU: XLA's dot against jaxspec's kernel (`cpu_kernel.dense`, and
+`dense_tiled` on the column tiles `jaxspec.load` keeps the projections in), measured in
 one run on one decode step's worth of weights of a model's shapes (SmolLM2-135M by default: 30 layers of q, k,
 v, o, gate, up, down, and the tied [V, H] LM head, full and on a draft vocabulary's rows).
 
@@ -42,21 +43,24 @@ def main():
         return jax.jit(run)
 
     kn = {"xla": layers(lambda x, w: x @ w), "kernel": layers(cpu_kernel.dense_kernel)}
+    tiles = [cpu_kernel.tile(w) for w in ws]  # the layout jaxspec.load keeps on a CPU
+    tiled = jax.jit(lambda x, ts: sum(cpu_kernel.dense_tiled(x[:, : t.shape[1]], t, t.shape[0] * cpu_kernel.TILE)[:, :1]
+                                      for t in ts))
     nk = {"xla": jax.jit(lambda x, w: jnp.einsum("mk,nk->mn", x, w)),
           "kernel": jax.jit(lambda x, w: cpu_kernel.dense_kernel(x, w, nk=True))}
     nk_rows = {"xla": jax.jit(lambda x, w: jnp.einsum("mk,nk->mn", x, jnp.take(w, draft, axis=0))),
                "kernel": jax.jit(lambda x, w: cpu_kernel.dense_kernel(x, w, nk=True, rows=draft))}
     print(f"backend={jax.default_backend()} projections={len(ws)} ({mb:.0f} MB float32) head={c['vocab']}x{H} "
           f"draft vocabulary={args.draft_vocab}; ms per call, median of 15")
-    print(f"{'rows':>4}  {'projections xla':>15} {'kernel':>7} {'x':>5}  {'head xla':>8} {'kernel':>7} {'x':>5}"
-          f"  {'draft head xla':>14} {'kernel':>7} {'x':>5}")
+    print(f"{'rows':>4}  {'projections xla':>15} {'kernel':>7} {'x':>5} {'tiled':>6} {'x':>5}  {'head xla':>8} "
+          f"{'kernel':>7} {'x':>5}  {'draft head xla':>14} {'kernel':>7} {'x':>5}")
     for m in (int(r) for r in args.rows.split(",")):
         x = jnp.asarray(rng.normal(size=(m, c["ffn"])).astype(np.float32))
         ms = lambda f, *a: 1e3 * timeit(f, *a, reps=15)  # noqa: E731
         t = [ms(f, x, ws) for f in kn.values()] + [ms(f, x[:, :H], head) for f in nk.values()] + \
-            [ms(f, x[:, :H], head) for f in nk_rows.values()]
-        print(f"{m:>4}  {t[0]:>15.2f} {t[1]:>7.2f} {t[0] / t[1]:>4.2f}x  {t[2]:>8.2f} {t[3]:>7.2f} {t[2] / t[3]:>4.2f}x"
-              f"  {t[4]:>14.2f} {t[5]:>7.2f} {t[4] / t[5]:>4.2f}x", flush=True)
+            [ms(f, x[:, :H], head) for f in nk_rows.values()] + [ms(tiled, x, tiles)]
+        print(f"{m:>4}  {t[0]:>15.2f} {t[1]:>7.2f} {t[0] / t[1]:>4.2f}x {t[6]:>6.2f} {t[0] / t[6]:>4.2f}x  {t[2]:>8.2f} "
+              f"{t[3]:>7.2f} {t[2] / t[3]:>4.2f}x  {t[4]:>14.2f} {t[5]:>7.2f} {t[4] / t[5]:>4.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from jaxspec.checkpoint import DFLASH_ZLAB_RULES, WeightsError, load_params, rea
 from jaxspec.config import ConfigError, DrafterConfig, default_target_layer_ids, drafter_config_from_dict
 from jaxspec.model import Model, StaticDef
 from jaxspec.models.dflash import DFlashDrafter
+from jaxspec.models.layers import tile_linears, untile_linears
 from jaxspec.sharding import Layout
 
 MAX_BLOCK_SIZE = 64
@@ -61,7 +62,7 @@ class Drafter:
 
         path = Path(path)
         tensors = {}
-        for key, var in nnx.to_flat_state(self.params):
+        for key, var in nnx.to_flat_state(nnx.state(untile_linears(self.module))):
             name = ".".join(str(p) for p in key)
             arr = np.asarray(var[...], np.float32)
             if name.endswith(".kernel"):
@@ -123,6 +124,8 @@ def load_drafter(path, model: Model) -> Drafter:
     dt = model.dtype
     module = load_params(lambda: DFlashDrafter(cfg, dtype=dt, rngs=nnx.Rngs(0)), read_safetensors(path),
                          DFLASH_ZLAB_RULES, what="drafter checkpoint")
+    if model.layout is None:  # as the target's: float kernels in the CPU kernel's column tiles
+        module = tile_linears(module)
     return dataclasses.replace(Drafter.from_module(module, model), acceptance=read_acceptance(path))
 
 

@@ -21,6 +21,7 @@ from jaxspec.checkpoint.orbax import is_converted, read_packing, restore_params
 from jaxspec.config import ConfigError, TargetConfig, read_config_json
 from jaxspec.models import quant
 from jaxspec.models.registry import Family, config_from_dict, family_of, load_config
+from jaxspec.models.layers import Tiled, tile_linears, untile_linears
 from jaxspec.models.registry import layout as registry_layout
 from jaxspec.segment import Segment
 from jaxspec.sharding import Layout, place
@@ -103,10 +104,22 @@ class Model:
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); got {ids.min()}..{ids.max()}")
         return np.asarray(_causal_logits(self.graphdef, self.params, jnp.asarray(ids)))
 
+    def with_config(self, config: TargetConfig) -> "Model":
+        """The same weights under another config of the same shapes: a static switch that lives in the graphdef,
+        such as a hybrid target's GDN tree mode (`gdn_mode`) or MLA's attention form (`absorb_max_tokens`)."""
+        tiled = any(isinstance(node, Tiled) for _, node in nnx.iter_graph(self.module))
+
+        def build():
+            module = self.family.module(config, dtype=self.dtype, rngs=nnx.Rngs(0))
+            return tile_linears(module) if tiled else module
+
+        return replace(self, config=config, graphdef=nnx.graphdef(nnx.eval_shape(build)))
+
     def on_mesh(self, mesh: Mesh) -> "Model":
         """The same model with its parameters sharded over `mesh` (jaxspec.make_mesh) by its family's rules."""
         layout = registry_layout(self.config, mesh)
-        return replace(self, params=layout.place_params(self.params), layout=layout)
+        graphdef, params = nnx.split(untile_linears(self.module))  # the rules split [in, out] kernels
+        return replace(self, graphdef=graphdef, params=layout.place_params(params), layout=layout)
 
     @staticmethod
     def from_module(module: nnx.Module, tokenizer=None, source: str = "", layout: Layout | None = None) -> "Model":
@@ -167,6 +180,8 @@ def load(path, dtype="float32", *, mesh: Mesh | None = None, tokenizer: bool = T
         tok = _tokenizer(path) if tokenizer else None
     else:
         raise ConfigError(f"{path} is neither a model directory nor a .gguf file")
+    if layout is None:  # on one CPU device the float kernels go into the kernel's column tiles
+        module = tile_linears(module)
     return Model.from_module(module, tok, source=str(path), layout=layout)
 
 
@@ -216,7 +231,7 @@ def quantize_model(model: Model, quantize: str) -> Model:
     quant.check_quantize(quantize)
     if quantize not in ("int8", "int4"):
         raise ValueError(f"quantize_model packs float weights: use 'int8' or 'int4', not {quantize!r}")
-    module = model.module
+    module = untile_linears(model.module)
     module = quant.pack_module(module, quant.linear_plan(module, quant.scheme_of(quantize)), fill=True)
     return Model.from_module(module, model.tokenizer, source=f"{model.source} ({quantize})")
 

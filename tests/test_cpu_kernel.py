@@ -9,7 +9,7 @@ from flax import nnx
 
 from jaxspec.models import cpu_kernel
 from jaxspec.models import quant
-from jaxspec.models.layers import Linear, project
+from jaxspec.models.layers import Linear, Tiled, project, tile_linears, untile_linears
 from jaxspec.sharding import make_mesh
 
 needs_kernel = pytest.mark.skipif(not cpu_kernel.available(), reason="no C++ compiler")
@@ -134,6 +134,67 @@ def test_project_merges_float_linears_only():
     assert cpu_kernel.DENSE_MANY in hlo(f, x)
     quant.pack_module(lins[0], {"kernel": quant.scheme_of("int8")}, fill=True)
     assert cpu_kernel.DENSE_MANY not in hlo(lambda x: project(x, *lins), x)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 10, 13, 17, 19, 49])
+def test_tiled_kernel_equals_float64(rows):
+    """Weights in column tiles (`cpu_kernel.tile`): groups of 1-9 input rows and several groups split evenly
+    (10 = 5 + 5, 19 = 7 + 6 + 6), 70 inputs, widths that end inside a tile (1000 = 20 tiles + 40; 70; 130),
+    four weights in one call split over XLA's threads and one alone; 49 rows: XLA's product over the tiles.
+    `untile` gives the weight back exactly, and the gradient is XLA's."""
+    rng = np.random.default_rng(rows)
+    K, ns = 70, [1000, 70, 130, 48]
+    x = jnp.asarray(rng.normal(size=(1, rows, K)).astype(np.float32))
+    ws = [rng.normal(size=(K, n)).astype(np.float32) for n in ns]
+    tiles = [cpu_kernel.tile(jnp.asarray(w)) for w in ws]
+    for t, w, n in zip(tiles, ws, ns):
+        assert t.shape == (-(-n // cpu_kernel.TILE), K, cpu_kernel.TILE)
+        np.testing.assert_array_equal(np.asarray(cpu_kernel.untile(t, n)), w)
+    many = lambda x, ts: cpu_kernel.dense_many_tiled(x, ts, ns)  # noqa: E731
+    one = lambda x, t: cpu_kernel.dense_tiled(x, t, ns[0])  # noqa: E731
+    for y, w in zip(jax.jit(many)(x, tiles), ws):
+        assert_product(y[0], x[0], w)
+    assert_product(jax.jit(one)(x, tiles[0])[0], x[0], ws[0])
+    runs_kernel = rows <= cpu_kernel.ROWS["kn"][1]
+    assert (cpu_kernel.DENSE_MANY in hlo(many, x, tiles)) == runs_kernel
+    assert (cpu_kernel.DENSE in hlo(one, x, tiles[0])) == runs_kernel
+
+    def loss(f):
+        return lambda x, ts: sum(jnp.sum(jnp.sin(y) * (i + 1)) for i, y in enumerate(f(x, ts)))
+
+    ours = jax.jit(jax.grad(loss(many), argnums=(0, 1)))(x, tiles)
+    ref = jax.grad(loss(lambda x, ts: [x @ cpu_kernel.untile(t, n) for t, n in zip(ts, ns)]), argnums=(0, 1))(x, tiles)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_tile_linears_round_trip():
+    """tile_linears puts float Linear kernels (not packed ones) in column tiles: the same outputs through
+    `Linear` and `project` (one kernel call for all tiled ones), `weight()` the same matrix, and
+    untile_linears gives back the original parameters bit for bit with their axes."""
+    rngs = nnx.Rngs(0)
+    lins = [Linear(64, n, ("embed", "ffn"), bias=b, rngs=rngs) for n, b in ((96, False), (40, True))]
+    lins[1].bias[...] = jnp.arange(40.0)
+    packed = Linear(64, 32, ("embed", "ffn"), rngs=rngs)
+    quant.pack_module(packed, {"kernel": quant.scheme_of("int8")}, fill=True)
+    model = nnx.Module()
+    model.a, model.b, model.c = *lins, packed
+    before = [np.asarray(lin.kernel[...]) for lin in lins]
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 3, 64)).astype(np.float32))
+    ref = [lin(x) for lin in lins]
+    tile_linears(model)
+    assert [type(lin.kernel) for lin in (model.a, model.b, model.c)] == [Tiled, Tiled, quant.Packed]
+    assert cpu_kernel.DENSE_MANY in hlo(lambda x: project(x, *lins), x)
+    for y, lin, r, w in zip(project(x, *lins), lins, ref, before):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(r), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(lin(x)), np.asarray(r), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(lin.weight()), w)
+    untile_linears(model)
+    for lin, w in zip(lins, before):
+        assert isinstance(lin.kernel, nnx.Param) and lin.kernel.out_sharding == ("embed", "ffn")
+        np.testing.assert_array_equal(np.asarray(lin.kernel[...]), w)
 
 
 def attention_f64(q, k_old, v_old, k_new, v_new, length, mask, scale, softcap):

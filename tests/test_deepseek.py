@@ -92,7 +92,7 @@ def tiny(tmp_path_factory, tiny_paths):
 def with_form(model, absorbed: bool):
     """The same weights with every forward in one attention form (absorb_max_tokens 0 or all)."""
     cfg = model.config.replace(absorb_max_tokens=10**6 if absorbed else 0)
-    return jm.Model(cfg, nnx.graphdef(model.family.module(cfg, rngs=nnx.Rngs(0))), model.params)
+    return model.with_config(cfg)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -177,7 +177,7 @@ def test_cached_decode(tiny, kind):
     choice by N, with absorb_max_tokens 4): every step equals HF's full forward."""
     _, model, ids, ref = tiny(kind)
     cfg = model.config.replace(absorb_max_tokens=4)
-    m = jm.Model(cfg, nnx.graphdef(model.family.module(cfg, rngs=nnx.Rngs(0))), model.params)
+    m = model.with_config(cfg)
     P = 5
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     logits, _, cache = forward(m, ids[:, :P], Segment.causal(pos[:, :P]), m.module.init_cache(B, T))

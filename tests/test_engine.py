@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxspec
 from jaxspec import api, engine
@@ -15,6 +16,7 @@ from jaxspec.testing import oracle_drafter
 from test_lookup import lookup_reference
 from jaxspec.segment import Segment
 from jaxspec.tree import build_tree, tree_segment
+from jaxspec.models.layers import Tiled, tile_linears, untile_linears
 
 TINY = {
     "llama": dict(model_type="llama", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -157,6 +159,23 @@ def test_lookup_copies_past_the_block():
     assert res.stats["acceptance_length"] > 2 * plain.stats["acceptance_length"]
 
 
+def test_tiled_kernels_in_the_loop():
+    """Float kernels in the CPU kernel's column tiles (how jaxspec.load keeps them on one CPU device): a tiled
+    target decodes what the plain one does, and DDTree with a tiled drafter and with an oracle stays lossless."""
+    plain = tiny_target("gemma3")
+    ref = jaxspec.generate(plain, input_ids=PROMPT, method="ar", max_new_tokens=40).token_ids
+    tiled = jaxspec.Model.from_module(tile_linears(plain.module))
+    assert isinstance(tiled.module.layers[0].mlp.up_proj.kernel, Tiled)
+    assert jaxspec.generate(tiled, input_ids=PROMPT, method="ar", max_new_tokens=40).token_ids == ref
+    random = jaxspec.init_drafter(tiled, num_layers=1, block_size=8)
+    random = jaxspec.Drafter.from_module(tile_linears(random.module))
+    assert isinstance(random.module.layers[0].mlp.up_proj.kernel, Tiled)
+    for d in (random, oracle_drafter(tiled, PROMPT + ref, noise=0.3)):
+        res = jaxspec.generate(tiled, input_ids=PROMPT, drafter=d, method="ddtree", budget=8, max_new_tokens=40)
+        assert res.token_ids == ref
+    assert res.stats["acceptance_length"] > 2
+
+
 def test_stops_mid_round(target, ar_ref):
     d = oracle_drafter(target, PROMPT + ar_ref)  # noise 0: every round accepts the whole block
     res = jaxspec.generate(target, input_ids=PROMPT, drafter=d, method="ddtree", budget=16, max_new_tokens=37,
@@ -246,7 +265,8 @@ def test_drafter_save_load_roundtrip(tmp_path):
     d.save(tmp_path / "drafter")
     d2 = jaxspec.load_drafter(tmp_path / "drafter", m)
     assert d2.config == d.config
-    for a, b in zip(jax.tree.leaves(d.params), jax.tree.leaves(d2.params)):
+    assert isinstance(d2.module.layers[0].mlp.up_proj.kernel, Tiled)  # loaded on a CPU: in the kernel's tiles
+    for a, b in zip(jax.tree.leaves(d.params), jax.tree.leaves(nnx.state(untile_linears(d2.module)))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     r1 = jaxspec.generate(m, input_ids=PROMPT, drafter=d, max_new_tokens=24)
     r2 = jaxspec.generate(m, input_ids=PROMPT, drafter=d2, max_new_tokens=24)
@@ -303,8 +323,8 @@ def test_load_zlab_layout(tmp_path):
     d = jaxspec.load_drafter(tmp_path, m)
     assert d.config.block_size == 16 and d.config.target_layer_ids == (0, 1) and d.config.mask_token_id == 127
     mod = d.module
-    np.testing.assert_array_equal(np.asarray(mod.fc.kernel[...]), tensors["fc.weight"].T)
-    np.testing.assert_array_equal(np.asarray(mod.layers[0].self_attn.o_proj.kernel[...]), tensors["layers.0.self_attn.o_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(mod.fc.weight()), tensors["fc.weight"].T)
+    np.testing.assert_array_equal(np.asarray(mod.layers[0].self_attn.o_proj.weight()), tensors["layers.0.self_attn.o_proj.weight"].T)
     np.testing.assert_array_equal(np.asarray(mod.layers[0].self_attn.k_norm.weight[...]), tensors["layers.0.self_attn.k_norm.weight"])
     res = jaxspec.generate(m, input_ids=PROMPT, drafter=d, max_new_tokens=20)
     assert res.token_ids == jaxspec.generate(m, input_ids=PROMPT, max_new_tokens=20).token_ids

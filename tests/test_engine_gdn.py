@@ -11,7 +11,6 @@ import pytest
 from flax import nnx
 
 import jaxspec
-from jaxspec.model import Model
 from jaxspec.models.qwen3_next import hybrid_config_from_dict
 from jaxspec.segment import Segment
 from jaxspec.testing import oracle_drafter
@@ -36,8 +35,7 @@ def hybrid_target(mode="exact", seed=0):
 
 def with_mode(model, mode):
     cfg = model.config.replace(gdn_mode=mode)
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: type(model.module)(cfg, rngs=nnx.Rngs(0))))
-    return Model(cfg, graphdef, model.params)
+    return model.with_config(cfg)
 
 
 @pytest.fixture(scope="module")

@@ -395,7 +395,7 @@ def test_load_zlab_drafter(tmp_path, target, ar_ref):
     c = d.config
     assert (c.block_size, c.mask_token_id, c.target_layer_ids, c.sliding_window) == (16, 4, tuple(taps), 8)
     assert c.is_sliding == (True,) * 4 + (False,)
-    np.testing.assert_array_equal(np.asarray(d.module.layers[4].self_attn.o_proj.kernel[...]),
+    np.testing.assert_array_equal(np.asarray(d.module.layers[4].self_attn.o_proj.weight()),
                                   tensors["layers.4.self_attn.o_proj.weight"].T)
     res = jaxspec.generate(target, input_ids=PROMPT, drafter=d, method="ddtree", budget=64, max_new_tokens=32)
     assert res.token_ids == ar_ref[:32]

@@ -228,8 +228,7 @@ def test_tree_oracle(tiny, wide):
 def with_mode(model, mode):
     """The same weights with another GDN tree mode (a static switch: a new graphdef)."""
     cfg = model.config.replace(gdn_mode=mode)
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: type(model.module)(cfg, rngs=nnx.Rngs(0))))
-    return jm.Model(cfg, graphdef, model.params)
+    return model.with_config(cfg)
 
 
 def test_multimodal_checkpoint_layout(tiny, tmp_path):

@@ -7,6 +7,9 @@ reads them at memory speed only for one row of float weights. For packed weights
 does (see quant.py): `packed_matmul` is what makes them pay off on a CPU. For float32 weights and 2 to a few
 dozen rows it repacks the weight for its GEMM on every call, so a 5-node tree verify costs about what 5 decode
 steps' products do: `dense` reads the weight once for all rows (and the tied LM head faster even for one).
+A Linear's [K, N] kernel is read fastest in column tiles (`tile`, `dense_tiled`): one contiguous stream per
+tile instead of K short pieces, so a decode step's products run about 1.5x faster and a product of up to 9
+rows (a budget-8 verify) costs what one row does; `jaxspec.load` keeps float kernels that way on a CPU.
 Compiled for the host (`-march=native`) into jaxspec's cache directory (`~/.cache/jaxspec`;
 `$JAXSPEC_CACHE_DIR` moves it), keyed by the source, the compiler flags, the jax version and the CPU, so an
 upgrade or another machine rebuilds it. Without a compiler (or with JAXSPEC_CPU_KERNEL=0) products run XLA's
@@ -117,6 +120,9 @@ def packed_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.
 # decode step XLA's matrix-vector products are slower than alone and the kernel makes AR 1.15-1.2x faster.
 ROWS = {"kn": (1, 48), "nk": (1, 24), "nk_rows": (1, 48)}
 
+# Columns per tile of a weight kept in column tiles (`tile`; cpu_matmul.cc's kTile).
+TILE = 48
+
 
 def usable(*weights) -> bool:
     """Whether a product with these weights may run a kernel here: a CPU backend, the kernel built, and no
@@ -168,6 +174,40 @@ def dense_many(x: jax.Array, ws: list[jax.Array]) -> list[jax.Array]:
         return [dense(x, w) for w in ws]
     ys = on_cpu(_dense_many_kernel, _dense_many_xla, x.reshape(m, K), *ws)
     return [y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys]
+
+
+def tile(w: jax.Array) -> jax.Array:
+    """W [K, N] -> its column tiles [ceil(N / TILE), K, TILE] (tile t holds W[:, TILE t : TILE (t + 1)], zeros past
+    N): the layout in which the kernel reads a weight as one contiguous stream, so that a product of up to 9
+    rows costs what one row does (cpu_matmul.cc, `kt_tile`)."""
+    K, N = w.shape
+    T = -(-N // TILE)
+    w = jnp.pad(w, ((0, 0), (0, T * TILE - N)))
+    return jnp.transpose(w.reshape(K, T, TILE), (1, 0, 2))
+
+
+def untile(tiles: jax.Array, n: int) -> jax.Array:
+    """`tile`'s inverse: tiles [T, K, TILE] -> W [K, n]."""
+    T, K, _ = tiles.shape
+    return jnp.transpose(tiles, (1, 0, 2)).reshape(K, T * TILE)[:, :n]
+
+
+def dense_tiled(x: jax.Array, tiles: jax.Array, n: int) -> jax.Array:
+    """x [..., K] @ W [K, n], W given as its column tiles (`tile`): the kernel for float32 products of ROWS["kn"]
+    rows where it may run, else XLA's product over the tiles. Differentiable (the gradient is XLA's)."""
+    return dense_many_tiled(x, [tiles], [n])[0]
+
+
+def dense_many_tiled(x: jax.Array, tiles: list[jax.Array], ns: list[int]) -> list[jax.Array]:
+    """[dense_tiled(x, t, n) for t, n in zip(tiles, ns)] in one kernel call (a layer's q, k, v or gate and up)."""
+    m, K = int(np.prod(x.shape[:-1])), x.shape[-1]
+    lo, hi = ROWS["kn"]
+    x2, ns = x.reshape(m, K), tuple(ns)
+    if x.dtype == jnp.float32 and all(t.dtype == jnp.float32 for t in tiles) and lo <= m <= hi and usable(*tiles):
+        ys = on_cpu(lambda x2, *ts: _tiled_kernel(ns, x2, *ts), lambda x2, *ts: _tiled_xla(ns, x2, *ts), x2, *tiles)
+    else:
+        ys = _tiled_xla(ns, x2, *tiles)
+    return [y.reshape(*x.shape[:-1], n) for y, n in zip(ys, ns)]
 
 
 def dense_kernel(x: jax.Array, w: jax.Array, *, nk: bool = False, rows: jax.Array | None = None) -> jax.Array:
@@ -264,3 +304,30 @@ def _dense_many_bwd(res, gs):
 
 
 _dense_many_kernel.defvjp(_dense_many_fwd, _dense_many_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tiled_kernel(ns, x, *tiles):
+    shapes = [jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32) for n in ns]
+    if len(tiles) == 1:
+        call = jax.ffi.ffi_call(DENSE, shapes[0], vmap_method="sequential")
+        return [call(x, tiles[0], jnp.zeros((1,), jnp.int32), nk=False, gather=False)]
+    return list(jax.ffi.ffi_call(DENSE_MANY, shapes, vmap_method="sequential")(x, *tiles))
+
+
+def _tiled_xla(ns, x, *tiles):
+    """x [M, K] over each weight's tiles [T, K, TILE] -> [M, n] (XLA's batched product)."""
+    return [jnp.einsum("mk,tkc->mtc", x, t).reshape(x.shape[0], -1)[:, :n] for t, n in zip(tiles, ns)]
+
+
+def _tiled_fwd(ns, x, *tiles):
+    return _tiled_kernel(ns, x, *tiles), (x, tiles)
+
+
+def _tiled_bwd(ns, res, gs):
+    x, tiles = res
+    _, vjp = jax.vjp(lambda x, *ts: _tiled_xla(ns, x, *ts), x, *tiles)
+    return vjp(list(gs))
+
+
+_tiled_kernel.defvjp(_tiled_fwd, _tiled_bwd)
