@@ -20,8 +20,8 @@ from jaxspec.checkpoint.gguf import native_schemes
 from jaxspec.checkpoint.orbax import is_converted, read_packing, restore_params
 from jaxspec.config import ConfigError, TargetConfig, read_config_json
 from jaxspec.models import quant
-from jaxspec.models.registry import Family, config_from_dict, family_of, load_config
 from jaxspec.models.layers import Tiled, tile_linears, untile_linears
+from jaxspec.models.registry import Family, config_from_dict, family_of, load_config
 from jaxspec.models.registry import layout as registry_layout
 from jaxspec.segment import Segment
 from jaxspec.sharding import Layout, place

@@ -137,12 +137,13 @@ def test_project_merges_float_linears_only():
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 10, 13, 17, 19, 49])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 10, 13, 17, 19, 100])
 def test_tiled_kernel_equals_float64(rows):
     """Weights in column tiles (`cpu_kernel.tile`): groups of 1-9 input rows and several groups split evenly
-    (10 = 5 + 5, 19 = 7 + 6 + 6), 70 inputs, widths that end inside a tile (1000 = 20 tiles + 40; 70; 130),
-    four weights in one call split over XLA's threads and one alone; 49 rows: XLA's product over the tiles.
-    `untile` gives the weight back exactly, and the gradient is XLA's."""
+    (10 = 5 + 5, 19 = 7 + 6 + 6, 100 = 12 groups), 70 inputs, widths that end inside a tile (1000 = 20 tiles +
+    40; 70; 130), four weights in one call split over XLA's threads and one alone, all on the kernel; XLA's
+    form (another platform's) on the same weights. `untile` gives the weight back exactly, and the gradient is
+    XLA's."""
     rng = np.random.default_rng(rows)
     K, ns = 70, [1000, 70, 130, 48]
     x = jnp.asarray(rng.normal(size=(1, rows, K)).astype(np.float32))
@@ -156,9 +157,9 @@ def test_tiled_kernel_equals_float64(rows):
     for y, w in zip(jax.jit(many)(x, tiles), ws):
         assert_product(y[0], x[0], w)
     assert_product(jax.jit(one)(x, tiles[0])[0], x[0], ws[0])
-    runs_kernel = rows <= cpu_kernel.ROWS["kn"][1]
-    assert (cpu_kernel.DENSE_MANY in hlo(many, x, tiles)) == runs_kernel
-    assert (cpu_kernel.DENSE in hlo(one, x, tiles[0])) == runs_kernel
+    assert cpu_kernel.DENSE_MANY in hlo(many, x, tiles) and cpu_kernel.DENSE in hlo(one, x, tiles[0])
+    for y, w in zip(jax.jit(lambda x, ts: cpu_kernel._tiled_xla(tuple(ns), x, *ts))(x[0], tiles), ws):
+        assert_product(y, x[0], w)
 
     def loss(f):
         return lambda x, ts: sum(jnp.sum(jnp.sin(y) * (i + 1)) for i, y in enumerate(f(x, ts)))

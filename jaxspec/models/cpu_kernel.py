@@ -8,8 +8,8 @@ does (see quant.py): `packed_matmul` is what makes them pay off on a CPU. For fl
 dozen rows it repacks the weight for its GEMM on every call, so a 5-node tree verify costs about what 5 decode
 steps' products do: `dense` reads the weight once for all rows (and the tied LM head faster even for one).
 A Linear's [K, N] kernel is read fastest in column tiles (`tile`, `dense_tiled`): one contiguous stream per
-tile instead of K short pieces, so a decode step's products run about 1.5x faster and a product of up to 9
-rows (a budget-8 verify) costs what one row does; `jaxspec.load` keeps float kernels that way on a CPU.
+tile instead of K short pieces, so a decode step runs about 1.3x faster (bench/tiles.py) and a product of up to
+9 rows (a budget-8 verify) costs what one row does; `jaxspec.load` keeps float kernels that way on a CPU.
 Compiled for the host (`-march=native`) into jaxspec's cache directory (`~/.cache/jaxspec`;
 `$JAXSPEC_CACHE_DIR` moves it), keyed by the source, the compiler flags, the jax version and the CPU, so an
 upgrade or another machine rebuilds it. Without a compiler (or with JAXSPEC_CPU_KERNEL=0) products run XLA's
@@ -193,17 +193,18 @@ def untile(tiles: jax.Array, n: int) -> jax.Array:
 
 
 def dense_tiled(x: jax.Array, tiles: jax.Array, n: int) -> jax.Array:
-    """x [..., K] @ W [K, n], W given as its column tiles (`tile`): the kernel for float32 products of ROWS["kn"]
-    rows where it may run, else XLA's product over the tiles. Differentiable (the gradient is XLA's)."""
+    """x [..., K] @ W [K, n], W given as its column tiles (`tile`): the kernel for float32 products of any number
+    of rows where it may run (it matched or beat XLA's product on the plain [K, n] at 1 to 1024 rows on
+    SmolLM2's shapes: a prefill too), else XLA's product on the untiled weight. Differentiable (the gradient is
+    XLA's)."""
     return dense_many_tiled(x, [tiles], [n])[0]
 
 
 def dense_many_tiled(x: jax.Array, tiles: list[jax.Array], ns: list[int]) -> list[jax.Array]:
     """[dense_tiled(x, t, n) for t, n in zip(tiles, ns)] in one kernel call (a layer's q, k, v or gate and up)."""
     m, K = int(np.prod(x.shape[:-1])), x.shape[-1]
-    lo, hi = ROWS["kn"]
     x2, ns = x.reshape(m, K), tuple(ns)
-    if x.dtype == jnp.float32 and all(t.dtype == jnp.float32 for t in tiles) and lo <= m <= hi and usable(*tiles):
+    if x.dtype == jnp.float32 and all(t.dtype == jnp.float32 for t in tiles) and m >= 1 and usable(*tiles):
         ys = on_cpu(lambda x2, *ts: _tiled_kernel(ns, x2, *ts), lambda x2, *ts: _tiled_xla(ns, x2, *ts), x2, *tiles)
     else:
         ys = _tiled_xla(ns, x2, *tiles)
@@ -316,8 +317,9 @@ def _tiled_kernel(ns, x, *tiles):
 
 
 def _tiled_xla(ns, x, *tiles):
-    """x [M, K] over each weight's tiles [T, K, TILE] -> [M, n] (XLA's batched product)."""
-    return [jnp.einsum("mk,tkc->mtc", x, t).reshape(x.shape[0], -1)[:, :n] for t, n in zip(tiles, ns)]
+    """x [M, K] @ each weight [K, n], untiled first (XLA's product over the tiles themselves, an einsum
+    "mk,tkc->mtc", ran 4-7x slower than this on SmolLM2's shapes)."""
+    return [x @ untile(t, n) for t, n in zip(tiles, ns)]
 
 
 def _tiled_fwd(ns, x, *tiles):

@@ -28,8 +28,8 @@ def param(value: jax.Array, axes: tuple[str, ...]) -> nnx.Param:
 
 class Tiled(nnx.Module):
     """A float kernel [in, out] kept in column tiles [ceil(out / 48), in, 48] (`cpu_kernel.tile`), the layout
-    the CPU kernel streams at memory speed: on the 2-core VM a decode step's products run about 1.5x faster,
-    and a 9-node tree verify's cost about what one row's do. `tile_linears` swaps it in where that kernel runs
+    the CPU kernel streams at memory speed: on the 2-core VM a decode step runs about 1.3x faster, and a
+    9-node tree verify's products cost about what one row's do. `tile_linears` swaps it in where that kernel runs
     (`jaxspec.load` on one CPU device) and `untile_linears` swaps it back (sharding, quantising, saving)."""
 
     def __init__(self, kernel: nnx.Param):

@@ -1,0 +1,67 @@
+"""What the column tiles buy: the same loaded weights decoded with their float kernels in column tiles (how
+`jaxspec.load` and `load_drafter` keep them on one CPU device) and as plain [in, out] matrices, interleaved
+prompt by prompt in one process, so the VM's slow and fast spells fall on both alike.
+
+    python bench/tiles.py [--runs 2] [--budget 8]
+
+Bundled SmolLM2 and its drafter, four chat prompts outside every prompt set, greedy, 128 new tokens, after a
+warm-up run; prints each form's median decode tokens/s for AR and DDTree, the per-prompt ratios, and checks
+that the two forms decode the same tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jaxspec  # noqa: E402
+from jaxspec.generate import BUNDLED_DRAFTER, bundled_model  # noqa: E402
+from jaxspec.models.layers import untile_linears  # noqa: E402
+
+PROMPTS = ["Explain why the sky is blue in a few sentences.",
+           "Write a JavaScript function that converts a string to title case.",
+           "A train travels 240 km in 3 hours. What is its average speed?",
+           "List five ways to save energy at home."]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--budget", type=int, default=8)
+    args = ap.parse_args(argv)
+    tiled = jaxspec.load(bundled_model())
+    tiled_drafter = jaxspec.load_drafter(str(BUNDLED_DRAFTER), tiled)
+    plain = jaxspec.Model.from_module(untile_linears(jaxspec.load(bundled_model()).module), tiled.tokenizer)
+    plain_drafter = jaxspec.Drafter.from_module(untile_linears(tiled_drafter.module))
+    forms = {"plain": (plain, plain_drafter), "tiled": (tiled, tiled_drafter)}
+    speed: dict[tuple[str, str], list[float]] = {}
+    tokens: dict[tuple[str, str], list[list[int]]] = {}
+    for run in range(args.runs + 1):  # run 0 compiles
+        for prompt in PROMPTS:
+            for form, (model, drafter) in forms.items():
+                for method in ("ar", "ddtree"):
+                    kw = {} if method == "ar" else dict(drafter=drafter, budget=args.budget)
+                    res = jaxspec.generate(model, prompt, method=method, max_new_tokens=128, **kw)
+                    if run:
+                        speed.setdefault((form, method), []).append(res.stats["tokens_per_second"])
+                        tokens.setdefault((form, method), []).append(res.token_ids)
+    same = all(tokens[("plain", m)] == tokens[("tiled", m)] for m in ("ar", "ddtree"))
+    print(f"{len(PROMPTS)} prompts x {args.runs} runs, DDTree budget {args.budget}; decode tokens/s, median")
+    for method in ("ar", "ddtree"):
+        p, t = np.array(speed[("plain", method)]), np.array(speed[("tiled", method)])
+        r = t / p
+        print(f"{method:>7}: plain {np.median(p):6.1f}  tiled {np.median(t):6.1f}  tiled / plain {np.median(r):.2f}x "
+              f"[{r.min():.2f}, {r.max():.2f}]")
+    for form in forms:
+        ratio = np.array(speed[(form, "ddtree")]) / np.array(speed[(form, "ar")])
+        print(f"DDTree / AR, {form}: {np.median(ratio):.2f}x")
+    print("same tokens in both forms:", same)
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
