@@ -166,8 +166,8 @@ def test_tiled_kernel_equals_float64(rows):
 
     ours = jax.jit(jax.grad(loss(many), argnums=(0, 1)))(x, tiles)
     ref = jax.grad(loss(lambda x, ts: [x @ cpu_kernel.untile(t, n) for t, n in zip(ts, ns)]), argnums=(0, 1))(x, tiles)
-    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):  # sums of ~1000 terms: error scales with the largest
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5 * float(np.abs(b).max()))
 
 
 @needs_kernel

@@ -317,8 +317,9 @@ def _tiled_kernel(ns, x, *tiles):
 
 
 def _tiled_xla(ns, x, *tiles):
-    """x [M, K] @ each weight [K, n], untiled first (XLA's product over the tiles themselves, an einsum
-    "mk,tkc->mtc", ran 4-7x slower than this on SmolLM2's shapes)."""
+    """x [M, K] @ each weight [K, n], untiled first: a copy of every weight per call (XLA's einsum over the
+    tiles themselves costs about the same), so it runs only where the kernel cannot (another platform's
+    lowering, the gradient); on SmolLM2's shapes about 14x the kernel's time at 1 row, 1.6x at 256."""
     return [x @ untile(t, n) for t, n in zip(tiles, ns)]
 
 
