@@ -166,6 +166,8 @@ def test_tiled_kernels_in_the_loop():
     ref = jaxspec.generate(plain, input_ids=PROMPT, method="ar", max_new_tokens=40).token_ids
     tiled = jaxspec.Model.from_module(tile_linears(plain.module))
     assert isinstance(tiled.module.layers[0].mlp.up_proj.kernel, Tiled)
+    want = plain.logits([PROMPT + ref])  # greedy tokens alone would not see a small error in every product
+    np.testing.assert_allclose(tiled.logits([PROMPT + ref]), want, rtol=0, atol=1e-5 * np.abs(want).max())
     assert jaxspec.generate(tiled, input_ids=PROMPT, method="ar", max_new_tokens=40).token_ids == ref
     random = jaxspec.init_drafter(tiled, num_layers=1, block_size=8)
     random = jaxspec.Drafter.from_module(tile_linears(random.module))

@@ -41,10 +41,14 @@ class Tiled(nnx.Module):
     def dtype(self):
         return self.tiles.dtype
 
+    def weight(self) -> jax.Array:
+        """The kernel [in, out]."""
+        return cpu_kernel.untile(self.tiles[...], self.out)
+
     def kernel(self) -> nnx.Param:
         """The [in, out] parameter this was made from."""
         out_axis, in_axis, _ = self.tiles.out_sharding
-        return param(cpu_kernel.untile(self.tiles[...], self.out), (in_axis, out_axis))
+        return param(self.weight(), (in_axis, out_axis))
 
 
 class Linear(nnx.Module):
@@ -75,7 +79,7 @@ class Linear(nnx.Module):
         k = self.kernel
         if isinstance(k, quant.Packed):
             return quant.as_float(k).T
-        return cpu_kernel.untile(k.tiles[...], k.out) if isinstance(k, Tiled) else k[...]
+        return k.weight() if isinstance(k, Tiled) else k[...]
 
 
 def project(x: jax.Array, *linears: Linear) -> list[jax.Array]:
