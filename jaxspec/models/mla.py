@@ -34,7 +34,7 @@ from flax import nnx
 
 from jaxspec.cache import LatentEntry
 from jaxspec.models.attention import NEG_INF
-from jaxspec.models.layers import Linear, RMSNorm
+from jaxspec.models.layers import Linear, RMSNorm, rope_cos_sin
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: HF builds them with the default eps, whatever the config says
 
@@ -107,9 +107,8 @@ def softmax_scale(rope: MLARope, qk_head_dim: int) -> float:
 def apply_rope(x, positions, inv_freq, cos_sin_factor: float, interleave: bool):
     """x [B, N, heads, d]; positions [B, N]. Interleaved pairs (2i, 2i+1) -> de-interleaved output (HF), or
     half-split pairs (i, i + d/2)."""
-    ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, N, d/2]
-    cos = (jnp.cos(ang) * cos_sin_factor).astype(x.dtype)[:, :, None, :]
-    sin = (jnp.sin(ang) * cos_sin_factor).astype(x.dtype)[:, :, None, :]
+    cos, sin = rope_cos_sin(positions, inv_freq)  # [B, N, 1, d/2]
+    cos, sin = (cos * cos_sin_factor).astype(x.dtype), (sin * cos_sin_factor).astype(x.dtype)
     x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleave else jnp.split(x, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
