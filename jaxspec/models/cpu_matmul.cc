@@ -576,13 +576,40 @@ void nk_tile_rows(const Dense& p, int64_t n0, int64_t m0, int64_t r, int64_t g, 
   nk_tile<NR, R>(p, n0, m0, g, G);
 }
 
+// One input row over all of W [V, K] (a decode step's tied LM head): W's rows in storage order, so one stream
+// prefetched 4 KB ahead, each dot product in 4 independent sums.
+inline void nk_one(const Dense& p, int64_t n) {
+  const int64_t K = p.K;
+  const float* w = p.row(n);
+  const float* x = p.x;
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + k + 1024), _MM_HINT_T0);
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a0);
+    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
+    a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 32), _mm512_loadu_ps(x + k + 32), a2);
+    a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 48), _mm512_loadu_ps(x + k + 48), a3);
+  }
+  for (; k < K; k += 16) {
+    const __mmask16 m = static_cast<__mmask16>((1u << std::min<int64_t>(16, K - k)) - 1);
+    a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w + k), _mm512_maskz_loadu_ps(m, x + k), a0);
+  }
+  p.y[n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+
 // Tiles of 4 outputs x up to 6 input rows (24 sums in registers), the rows split evenly (13 = 4 + 4 + 5, not
-// 6 + 6 + 1): later groups reread the tile's 4 weight rows from L1. One input row (a decode step's LM head) takes
-// 8 outputs a tile: 8 weight streams and 8 independent sums kept the loads busy where 4 left them waiting
-// (SmolLM2's tied [49152, 576] head at 1 row: 1.86 -> 1.60 ms, alternating builds on the EPYC VM).
+// 6 + 6 + 1): later groups reread the tile's 4 weight rows from L1. One input row reads W as one stream
+// (`nk_one`), or over gathered rows 8 outputs a tile. SmolLM2's tied [49152, 576] head at 1 row, alternating
+// builds on the EPYC VM: 4-output tiles 1.86 ms against 8-output 1.60; in two later spells 8-output tiles
+// 1.40 / 2.39 ms against one stream 1.17 / 2.03 (the same weight in column tiles: 0.98 / 1.93).
 void nk_rows(const Dense& p, int64_t n0, int64_t n1) {
   const int64_t groups = (p.M + 5) / 6;
   int64_t n = n0;
+  if (p.M == 1 && !p.idx) {
+    for (; n < n1; ++n) nk_one(p, n);
+    return;
+  }
   if (p.M == 1)
     for (; n + 8 <= n1; n += 8) nk_tile<8, 1>(p, n, 0, 0, 1);
   for (; n < n1;) {
