@@ -799,6 +799,24 @@ struct AttnScratch {
 };
 
 #if defined(__AVX512F__)
+// Lane i of the result = the sum of v[i]'s 16 lanes: pairs interleaved and added, 16 -> 8 -> 4 vectors within
+// 128-bit lanes, then across them (45 operations for what 16 _mm512_reduce_add_ps do in about 130).
+inline __m512 sum16(const __m512 (&v)[16]) {
+  __m512 t[8], u[4];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: that lane's sums of v[4i .. 4i+3]
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  auto lanes = [](__m512 a, __m512 b) {  // [a.L0 + a.L1, a.L2 + a.L3, b.L0 + b.L1, b.L2 + b.L3]
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  return lanes(lanes(u[0], u[1]), lanes(u[2], u[3]));
+}
+
 void attend_head(const Attn& a, int64_t b, int64_t kvh, int64_t r_lo, int64_t r_hi, AttnScratch& w) {
   const int64_t G = a.H / a.KVH, L = a.length, D = a.D, N = a.N, S = L + N, SP = (S + 31) / 32 * 32, R = r_hi - r_lo;
   const float* kc = a.k_old + (b * a.KVH + kvh) * a.T * D;
@@ -818,16 +836,19 @@ void attend_head(const Attn& a, int64_t b, int64_t kvh, int64_t r_lo, int64_t r_
   // local row r is head row r_lo + r = g * N + n: head kvh * G + g, token n
   auto qrow = [&](int64_t r) { r += r_lo; return a.q + ((b * N + r % N) * a.H + kvh * G + r / N) * D; };
   auto orow = [&](int64_t r) { r += r_lo; return a.o + ((b * N + r % N) * a.H + kvh * G + r / N) * D; };
-  if (R < 24) {  // a decode step's or a small tree's rows: dot products as stored (transposing costs more)
-    for (int64_t r = 0; r < R; ++r) {
+  if (R < 24) {  // a decode step's or a small tree's rows: dot products as stored (transposing costs more),
+    for (int64_t r = 0; r < R; ++r) {  // 16 keys at a time, their 16 sums reduced together (sum16)
       const float* q = qrow(r);
-      for (int64_t j = 0; j < S; ++j) {
-        const float* k = key(j);
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), acc);
-        w.s[r * SP + j] = _mm512_reduce_add_ps(acc);
+      for (int64_t j0 = 0; j0 < SP; j0 += 16) {
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) {
+          const float* k = key(std::min(j0 + i, S - 1));  // keys past S: scores masked below
+          acc[i] = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+          for (int64_t d = 16; d < D; d += 16) acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), acc[i]);
+        }
+        _mm512_storeu_ps(w.s.data() + r * SP + j0, sum16(acc));
       }
-      for (int64_t j = S; j < SP; ++j) w.s[r * SP + j] = 0.0f;
     }
   } else {  // keys transposed (KT [D, SP]), then 4 rows x 32 keys per step
     w.kt.assign(D * SP, 0.0f);
