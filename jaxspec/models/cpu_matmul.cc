@@ -599,20 +599,18 @@ inline void nk_one(const Dense& p, int64_t n) {
 }
 
 // Tiles of 4 outputs x up to 6 input rows (24 sums in registers), the rows split evenly (13 = 4 + 4 + 5, not
-// 6 + 6 + 1): later groups reread the tile's 4 weight rows from L1. One input row reads W as one stream
-// (`nk_one`), or over gathered rows 8 outputs a tile. SmolLM2's tied [49152, 576] head at 1 row, alternating
-// builds on the EPYC VM: 4-output tiles 1.86 ms against 8-output 1.60; in two later spells 8-output tiles
-// 1.40 / 2.39 ms against one stream 1.17 / 2.03 (the same weight in column tiles: 0.98 / 1.93).
+// 6 + 6 + 1): later groups reread the tile's 4 weight rows from L1. One input row over all of W reads it as one
+// stream (`nk_one`). SmolLM2's tied [49152, 576] head at 1 row, alternating builds on the EPYC VM: 4-output
+// tiles 1.86 ms, 8-output 1.60; in two later spells 8-output tiles 1.40 / 2.39 ms against one stream
+// 1.17 / 2.03 (the same weight in column tiles: 0.98 / 1.93). Gathered rows (a draft vocabulary) are no
+// stream and keep the tiles: 8 outputs a tile measured no faster there (0.15 ms for 8192 rows either way).
 void nk_rows(const Dense& p, int64_t n0, int64_t n1) {
   const int64_t groups = (p.M + 5) / 6;
-  int64_t n = n0;
   if (p.M == 1 && !p.idx) {
-    for (; n < n1; ++n) nk_one(p, n);
+    for (int64_t n = n0; n < n1; ++n) nk_one(p, n);
     return;
   }
-  if (p.M == 1)
-    for (; n + 8 <= n1; n += 8) nk_tile<8, 1>(p, n, 0, 0, 1);
-  for (; n < n1;) {
+  for (int64_t n = n0; n < n1;) {
     const bool four = n + 4 <= n1;
     for (int64_t g = 0, m = 0; g < groups; ++g) {
       const int64_t r = (p.M - m) / (groups - g);
