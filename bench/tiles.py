@@ -2,11 +2,16 @@
 `jaxspec.load` and `load_drafter` keep them on one CPU device) and as plain [in, out] matrices, interleaved
 prompt by prompt in one process, so the VM's slow and fast spells fall on both alike.
 
-    python bench/tiles.py [--runs 2] [--budget 8]
+    python bench/tiles.py [--runs 2] [--budget 8] [--bf16-checkpoint]
 
 Bundled SmolLM2 and its drafter, four chat prompts outside every prompt set, greedy, 128 new tokens, after a
 warm-up run; prints each form's median decode tokens/s for AR and DDTree, the per-prompt ratios, and checks
 that the two forms decode the same tokens.
+
+--bf16-checkpoint asks what a bfloat16 checkpoint gains from tiles kept in bfloat16: the target's Linear kernels
+are rounded to bfloat16 first (as a bfloat16 safetensors checkpoint loaded in float32 holds them; the bundled
+GGUF's are not), then decoded with float32 tiles ("plain" below) and with bfloat16 tiles ("tiled"), which give
+the same products from half the bytes. The drafter (saved in bfloat16) keeps its bfloat16 tiles in both.
 """
 from __future__ import annotations
 
@@ -14,13 +19,15 @@ import argparse
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jaxspec  # noqa: E402
 from jaxspec.generate import BUNDLED_DRAFTER, bundled_model  # noqa: E402
-from jaxspec.models.layers import untile_linears  # noqa: E402
+from jaxspec.models.layers import Linear, tile_linears, untile_linears  # noqa: E402
 
 PROMPTS = ["Explain why the sky is blue in a few sentences.",
            "Write a JavaScript function that converts a string to title case.",
@@ -32,11 +39,22 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--budget", type=int, default=8)
+    ap.add_argument("--bf16-checkpoint", action="store_true",
+                    help="round the target's kernels to bfloat16, then float32 tiles against bfloat16 tiles")
     args = ap.parse_args(argv)
     tiled = jaxspec.load(bundled_model())
     tiled_drafter = jaxspec.load_drafter(str(BUNDLED_DRAFTER), tiled)
-    plain = jaxspec.Model.from_module(untile_linears(jaxspec.load(bundled_model()).module), tiled.tokenizer)
-    plain_drafter = jaxspec.Drafter.from_module(untile_linears(tiled_drafter.module))
+    if args.bf16_checkpoint:
+        module = untile_linears(tiled.module)
+        for _, node in nnx.iter_graph(module):
+            if isinstance(node, Linear):
+                node.kernel[...] = node.kernel[...].astype(jnp.bfloat16).astype(jnp.float32)
+        plain = jaxspec.Model.from_module(tile_linears(module, compact=False), tiled.tokenizer)
+        tiled = jaxspec.Model.from_module(tile_linears(untile_linears(plain.module)), tiled.tokenizer)
+        plain_drafter = tiled_drafter
+    else:
+        plain = jaxspec.Model.from_module(untile_linears(jaxspec.load(bundled_model()).module), tiled.tokenizer)
+        plain_drafter = jaxspec.Drafter.from_module(untile_linears(tiled_drafter.module))
     forms = {"plain": (plain, plain_drafter), "tiled": (tiled, tiled_drafter)}
     speed: dict[tuple[str, str], list[float]] = {}
     tokens: dict[tuple[str, str], list[list[int]]] = {}

@@ -111,7 +111,7 @@ class Model:
 
         def build():
             module = self.family.module(config, dtype=self.dtype, rngs=nnx.Rngs(0))
-            return tile_linears(module) if tiled else module
+            return tile_linears(module, compact=False) if tiled else module  # the graphdef: tiles' dtypes aside
 
         return replace(self, config=config, graphdef=nnx.graphdef(nnx.eval_shape(build)))
 

@@ -171,13 +171,42 @@ def test_tiled_kernel_equals_float64(rows):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, 9, 13, 100])
+def test_bfloat16_tiles_give_the_float32_tiles_results(rows):
+    """Weights whose every value is a bfloat16 (a bfloat16 checkpoint loaded in float32) may be tiled in
+    bfloat16: the kernel widens them exactly, so its results equal the float32 tiles' bit for bit, alone and
+    mixed with float32 tiles in one call, and XLA's form gives the float32 product; `bf16_exact` tells such
+    weights from others, also when the one value that is no bfloat16 lies past the prefix it tries first."""
+    rng = np.random.default_rng(rows)
+    K, ns = 70, [1000, 130]
+    x = jnp.asarray(rng.normal(size=(rows, K)).astype(np.float32))
+    ws = [jnp.asarray(rng.normal(size=(K, n)).astype(np.float32)).astype(jnp.bfloat16).astype(jnp.float32) for n in ns]
+    assert all(cpu_kernel.bf16_exact(w) for w in ws)
+    late = ws[0].at[-1, -1].add(1e-3)
+    assert not cpu_kernel.bf16_exact(late) and not cpu_kernel.bf16_exact(ws[0] + 1e-3)
+    f32, bf16 = [cpu_kernel.tile(w) for w in ws], [cpu_kernel.tile(w, jnp.bfloat16) for w in ws]
+    assert bf16[0].dtype == jnp.bfloat16 and cpu_kernel.untile(bf16[0], ns[0]).dtype == jnp.float32
+    many = jax.jit(lambda x, ts: cpu_kernel.dense_many_tiled(x, ts, ns))
+    want = many(x, f32)
+    for got in (many(x, bf16), many(x, [bf16[0], f32[1]]), [jax.jit(cpu_kernel.dense_tiled, static_argnums=2)(x, bf16[0], ns[0])]):
+        for g, w in zip(got, want):
+            assert g.dtype == jnp.float32
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    for y, w in zip(cpu_kernel._tiled_xla(tuple(ns), x, *bf16), ws):
+        assert y.dtype == jnp.float32
+        assert_product(y, x, w)
+
+
+@needs_kernel
 def test_tile_linears_round_trip():
-    """tile_linears puts float Linear kernels (not packed ones) in column tiles: the same outputs through
-    `Linear` and `project` (one kernel call for all tiled ones), `weight()` the same matrix, and
-    untile_linears gives back the original parameters bit for bit with their axes."""
+    """tile_linears puts float Linear kernels (not packed ones) in column tiles, in bfloat16 where every value
+    is one (the second kernel): the same outputs through `Linear` and `project` (one kernel call for all tiled
+    ones), `weight()` the same float32 matrix, and untile_linears gives back the original float32 parameters
+    bit for bit with their axes."""
     rngs = nnx.Rngs(0)
     lins = [Linear(64, n, ("embed", "ffn"), bias=b, rngs=rngs) for n, b in ((96, False), (40, True))]
     lins[1].bias[...] = jnp.arange(40.0)
+    lins[1].kernel[...] = lins[1].kernel[...].astype(jnp.bfloat16).astype(jnp.float32)
     packed = Linear(64, 32, ("embed", "ffn"), rngs=rngs)
     quant.pack_module(packed, {"kernel": quant.scheme_of("int8")}, fill=True)
     model = nnx.Module()
@@ -187,6 +216,8 @@ def test_tile_linears_round_trip():
     ref = [lin(x) for lin in lins]
     tile_linears(model)
     assert [type(lin.kernel) for lin in (model.a, model.b, model.c)] == [Tiled, Tiled, quant.Packed]
+    assert [lin.kernel.tiles.dtype for lin in lins] == [jnp.float32, jnp.bfloat16]
+    assert all(lin.kernel.dtype == jnp.float32 for lin in lins)
     assert cpu_kernel.DENSE_MANY in hlo(lambda x: project(x, *lins), x)
     for y, lin, r, w in zip(project(x, *lins), lins, ref, before):
         np.testing.assert_allclose(np.asarray(y), np.asarray(r), rtol=1e-5, atol=1e-5)
@@ -195,7 +226,10 @@ def test_tile_linears_round_trip():
     untile_linears(model)
     for lin, w in zip(lins, before):
         assert isinstance(lin.kernel, nnx.Param) and lin.kernel.out_sharding == ("embed", "ffn")
+        assert lin.kernel.dtype == jnp.float32
         np.testing.assert_array_equal(np.asarray(lin.kernel[...]), w)
+    tile_linears(model, compact=False)
+    assert [lin.kernel.tiles.dtype for lin in lins] == [jnp.float32, jnp.float32]
 
 
 def attention_f64(q, k_old, v_old, k_new, v_new, length, mask, scale, softcap):

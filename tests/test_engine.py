@@ -273,6 +273,17 @@ def test_drafter_save_load_roundtrip(tmp_path):
     r1 = jaxspec.generate(m, input_ids=PROMPT, drafter=d, max_new_tokens=24)
     r2 = jaxspec.generate(m, input_ids=PROMPT, drafter=d2, max_new_tokens=24)
     assert r1.token_ids == r2.token_ids and r1.stats["accepted_length_histogram"] == r2.stats["accepted_length_histogram"]
+    # saved in bfloat16: loaded float32, its kernels tiled in bfloat16, drafting what float32 tiles of it draft
+    d.save(tmp_path / "bf16", dtype="bfloat16")
+    d3 = jaxspec.load_drafter(tmp_path / "bf16", m)
+    assert d3.module.layers[0].mlp.up_proj.kernel.tiles.dtype == jnp.bfloat16
+    assert d3.module.fc.kernel.dtype == jnp.float32  # the drafter computes in float32 (its cache, its outputs)
+    d4 = jaxspec.Drafter.from_module(tile_linears(untile_linears(d3.module), compact=False))
+    assert d4.module.layers[0].mlp.up_proj.kernel.tiles.dtype == jnp.float32
+    r3 = jaxspec.generate(m, input_ids=PROMPT, drafter=d3, max_new_tokens=24)
+    r4 = jaxspec.generate(m, input_ids=PROMPT, drafter=d4, max_new_tokens=24)
+    assert r3.token_ids == r1.token_ids
+    assert r3.stats["accepted_length_histogram"] == r4.stats["accepted_length_histogram"]
 
 
 def test_draft_vocab(tmp_path, target, ar_ref):

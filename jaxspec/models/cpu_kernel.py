@@ -176,20 +176,32 @@ def dense_many(x: jax.Array, ws: list[jax.Array]) -> list[jax.Array]:
     return [y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys]
 
 
-def tile(w: jax.Array) -> jax.Array:
+def tile(w: jax.Array, dtype=None) -> jax.Array:
     """W [K, N] -> its column tiles [ceil(N / TILE), K, TILE] (tile t holds W[:, TILE t : TILE (t + 1)], zeros past
     N): the layout in which the kernel reads a weight as one contiguous stream, so that a product of up to 9
-    rows costs what one row does (cpu_matmul.cc, `kt_tile`)."""
+    rows costs what one row does (cpu_matmul.cc, `kt_tile`). dtype: the tiles' (bfloat16 for a float32 W whose
+    every value is one: `bf16_exact`), else W's."""
     K, N = w.shape
     T = -(-N // TILE)
-    w = jnp.pad(w, ((0, 0), (0, T * TILE - N)))
+    w = jnp.pad(w.astype(dtype or w.dtype), ((0, 0), (0, T * TILE - N)))
     return jnp.transpose(w.reshape(K, T, TILE), (1, 0, 2))
 
 
-def untile(tiles: jax.Array, n: int) -> jax.Array:
-    """`tile`'s inverse: tiles [T, K, TILE] -> W [K, n]."""
+def untile(tiles: jax.Array, n: int, dtype=jnp.float32) -> jax.Array:
+    """`tile`'s inverse: tiles [T, K, TILE] -> W [K, n] in `dtype` (bfloat16 tiles widen exactly)."""
     T, K, _ = tiles.shape
-    return jnp.transpose(tiles, (1, 0, 2)).reshape(K, T * TILE)[:, :n]
+    return jnp.transpose(tiles, (1, 0, 2)).reshape(K, T * TILE)[:, :n].astype(dtype)
+
+
+def bf16_exact(w) -> bool:
+    """Whether every value of the concrete float32 array w is a bfloat16 (a bfloat16 checkpoint loaded in float32):
+    its tiles can then be kept in bfloat16, which the kernel widens exactly, so products read half the bytes and
+    give the float32 tiles' results bit for bit. A prefix is tried first, so other weights cost little to rule out."""
+    w = np.asarray(w)
+    if w.dtype != np.float32:
+        return False
+    flat = w.reshape(-1)
+    return all(np.array_equal(part, part.astype(jnp.bfloat16).astype(np.float32)) for part in (flat[:4096], flat))
 
 
 def dense_tiled(x: jax.Array, tiles: jax.Array, n: int) -> jax.Array:
@@ -204,7 +216,8 @@ def dense_many_tiled(x: jax.Array, tiles: list[jax.Array], ns: list[int]) -> lis
     """[dense_tiled(x, t, n) for t, n in zip(tiles, ns)] in one kernel call (a layer's q, k, v or gate and up)."""
     m, K = int(np.prod(x.shape[:-1])), x.shape[-1]
     x2, ns = x.reshape(m, K), tuple(ns)
-    if x.dtype == jnp.float32 and all(t.dtype == jnp.float32 for t in tiles) and m >= 1 and usable(*tiles):
+    if x.dtype == jnp.float32 and all(t.dtype in (jnp.float32, jnp.bfloat16) for t in tiles) and m >= 1 \
+            and usable(*tiles):
         ys = on_cpu(lambda x2, *ts: _tiled_kernel(ns, x2, *ts), lambda x2, *ts: _tiled_xla(ns, x2, *ts), x2, *tiles)
     else:
         ys = _tiled_xla(ns, x2, *tiles)

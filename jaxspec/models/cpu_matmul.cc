@@ -28,6 +28,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <thread>
@@ -395,7 +396,7 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
 }
 
 // Float32 products with few input rows: y[M, N] = x[M, K] @ W, W stored [K, N] (a Linear's kernel), in column
-// tiles [T, K, 48] (a Linear's kernel as `jaxspec.load` keeps it on a CPU: cpu_kernel.tile) or [N, K] (a tied
+// tiles [T, K, 48] (a Linear's kernel as `jaxspec.load` keeps it on a CPU: cpu_kernel.tile; float32 or bfloat16) or [N, K] (a tied
 // embedding used as the LM head). XLA:CPU's product reads W once for one row (a matrix-vector
 // product) but, for 2 to a few dozen rows, packs W into its GEMM layout on every call, so a 2-row product
 // costs two 1-row ones and a 5-node tree verify twice a decode step. These tiles read W once for all rows.
@@ -405,6 +406,7 @@ struct Dense {
   const int32_t* idx;  // nk: output n uses W's row idx[n] (a draft vocabulary's rows, no gathered copy), or null
   float* y;            // [M, N]
   int64_t M, N, K, V;  // V: W's rows (nk)
+  const uint16_t* wh = nullptr;  // column tiles in bfloat16 instead of w (see kt_tile)
   // Row n of W [V, K]; an index outside [0, V) is clamped (never a read outside W).
   const float* row(int64_t n) const { return w + (idx ? std::clamp<int64_t>(idx[n], 0, V - 1) : n) * K; }
 };
@@ -480,21 +482,35 @@ void kn_rows(const Dense& p, int64_t n0, int64_t n1) {
 // threads): 1 / 9 / 17 rows in 2.4 / 2.5 / 4.2 ms against 3.8 / 5.3 / 6.9 ms for kn_rows on [K, N].
 constexpr int64_t kTile = 48;
 
-template <int R>
+// Tiles may hold bfloat16 (`wh`): the weights of a bfloat16 checkpoint, kept so when every value is one
+// (cpu_kernel.tile). Widening a bfloat16 to float32 is exact (its 16 bits become the high half), so the sums are
+// the float32 tiles' own, bit for bit, from half the bytes.
+template <bool BF16>
+inline __m512 tile_vector(const Dense& p, int64_t at) {
+  if constexpr (BF16)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.wh + at))), 16));
+  else
+    return _mm512_loadu_ps(p.w + at);
+}
+
+template <int R, bool BF16>
 void kt_tile(const Dense& p, int64_t j0, int64_t m0) {
   constexpr int C = kTile / 16;
+  constexpr int64_t bytes = BF16 ? 2 : 4;
   __m512 acc[R][C];
 #pragma GCC unroll 27
   for (int i = 0; i < R * C; ++i) acc[i / C][i % C] = _mm512_setzero_ps();
-  const float* w = p.w + (j0 / kTile) * p.K * kTile;
+  int64_t at = (j0 / kTile) * p.K * kTile;  // element offset of the tile's row k
+  const char* base = BF16 ? reinterpret_cast<const char*>(p.wh) : reinterpret_cast<const char*>(p.w);
   const float* x = p.x + m0 * p.K;
-  for (int64_t k = 0; k < p.K; ++k, w += kTile) {
+  for (int64_t k = 0; k < p.K; ++k, at += kTile) {
 #pragma GCC unroll 3
     for (int c = 0; c < C; ++c)  // 32 rows of the tile ahead (past its end: the next tile's, or unmapped,
-      _mm_prefetch(reinterpret_cast<const char*>(w + 32 * kTile + 16 * c), _MM_HINT_T0);  // which never faults)
+      _mm_prefetch(base + (at + 32 * kTile + 16 * c) * bytes, _MM_HINT_T0);  // which never faults)
     __m512 wv[C];
 #pragma GCC unroll 3
-    for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_ps(w + 16 * c);
+    for (int c = 0; c < C; ++c) wv[c] = tile_vector<BF16>(p, at + 16 * c);
 #pragma GCC unroll 9
     for (int r = 0; r < R; ++r) {
       const __m512 xb = _mm512_set1_ps(x[r * p.K + k]);
@@ -514,7 +530,7 @@ template <int R = 9>  // kt_tile<r> for 1 <= r <= 9 input rows
 void kt_tile_rows(const Dense& p, int64_t j0, int64_t m0, int64_t r) {
   if constexpr (R > 1)
     if (r < R) return kt_tile_rows<R - 1>(p, j0, m0, r);
-  kt_tile<R>(p, j0, m0);
+  p.wh ? kt_tile<R, true>(p, j0, m0) : kt_tile<R, false>(p, j0, m0);
 }
 
 // n0: a multiple of kTile. Input rows go in groups of at most 9, as even as their count allows.
@@ -636,7 +652,17 @@ void kt_rows(const Dense& p, int64_t n0, int64_t n1) {  // portable: the same su
   for (int64_t m = 0; m < p.M; ++m)
     for (int64_t n = n0; n < n1; ++n) {
       float t = 0.0f;
-      for (int64_t k = 0; k < p.K; ++k) t += p.x[m * p.K + k] * p.w[((n / kTile) * p.K + k) * kTile + n % kTile];
+      for (int64_t k = 0; k < p.K; ++k) {
+        const int64_t at = ((n / kTile) * p.K + k) * kTile + n % kTile;
+        float w;
+        if (p.wh) {  // bfloat16: the high half of a float32
+          const uint32_t bits = static_cast<uint32_t>(p.wh[at]) << 16;
+          std::memcpy(&w, &bits, sizeof w);
+        } else {
+          w = p.w[at];
+        }
+        t += p.x[m * p.K + k] * w;
+      }
       p.y[m * p.N + n] = t;
     }
 }
@@ -651,13 +677,27 @@ void nk_rows(const Dense& p, int64_t n0, int64_t n1) {
 }
 #endif
 
-ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+// W's data as a Dense's weight: float32, or (column tiles only) bfloat16; null when its type is neither.
+bool weight_data(const ffi::AnyBuffer& w, bool tiles, Dense& p) {
+  if (w.element_type() == ffi::DataType::F32) {
+    p.w = static_cast<const float*>(w.untyped_data());
+    return true;
+  }
+  if (tiles && w.element_type() == ffi::DataType::BF16) {
+    p.wh = static_cast<const uint16_t*>(w.untyped_data());
+    return true;
+  }
+  return false;
+}
+
+ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                        ffi::Buffer<ffi::S32> idx, ffi::ResultBuffer<ffi::F32> y, bool nk, bool gather) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (!nk && !gather && wd.size() == 3) {  // W in column tiles [T, K, kTile]
     if (xd.size() != 2 || yd.size() != 2 || wd[1] != xd[1] || wd[2] != kTile || wd[0] != (yd[1] + kTile - 1) / kTile)
       return ffi::Error::InvalidArgument("dense_matmul: expects x [M, K] and W tiles [ceil(N / 48), K, 48]");
-    const Dense p{x.typed_data(), w.typed_data(), nullptr, y->typed_data(), xd[0], yd[1], xd[1], 0};
+    Dense p{x.typed_data(), nullptr, nullptr, y->typed_data(), xd[0], yd[1], xd[1], 0};
+    if (!weight_data(w, true, p)) return ffi::Error::InvalidArgument("dense_matmul: W tiles are float32 or bfloat16");
     if (p.M > 0 && p.N > 0)
       parallel(pool, p.N, kTile, 1, p.N * p.K * (p.M + 1), [p](int64_t n0, int64_t n1) { kt_rows(p, n0, n1); });
     return ffi::Error::Success();
@@ -665,8 +705,8 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || wd[nk ? 1 : 0] != xd[1] || (gather && !nk) ||
       yd[1] != (gather ? idx.element_count() : wd[nk ? 0 : 1]))
     return ffi::Error::InvalidArgument("dense_matmul: expects x [M, K] and W [K, N] (or [V, K] with nk, rows idx [N])");
-  const Dense p{x.typed_data(), w.typed_data(), gather ? idx.typed_data() : nullptr, y->typed_data(), xd[0], yd[1],
-                xd[1], wd[0]};
+  Dense p{x.typed_data(), nullptr, gather ? idx.typed_data() : nullptr, y->typed_data(), xd[0], yd[1], xd[1], wd[0]};
+  if (!weight_data(w, false, p)) return ffi::Error::InvalidArgument("dense_matmul: W is float32");
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
   if (nk)
     parallel(pool, p.N, 4, 4, p.N * p.K * (p.M + 1), [p](int64_t n0, int64_t n1) { nk_rows(p, n0, n1); });
@@ -688,12 +728,14 @@ ffi::Error DenseMany(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remaini
   std::vector<Dense> parts;
   std::vector<int64_t> start;  // where weight i's columns begin in the padded side-by-side layout
   int64_t total = 0, work = 0;
-  const bool tiled = ws.get<ffi::Buffer<ffi::F32>>(0).has_value() && ws.get<ffi::Buffer<ffi::F32>>(0)->dimensions().size() == 3;
+  const bool tiled = ws.get<ffi::AnyBuffer>(0).has_value() && ws.get<ffi::AnyBuffer>(0)->dimensions().size() == 3;
   const int64_t tile = tiled ? kTile : 64;
   for (size_t i = 0; i < ws.size(); ++i) {
-    auto w = ws.get<ffi::Buffer<ffi::F32>>(i);
+    auto w = ws.get<ffi::AnyBuffer>(i);
     auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
-    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("dense_many: weights and results are float32");
+    Dense part{x.typed_data(), nullptr, nullptr, nullptr, xd[0], 0, xd[1], 0};
+    if (!w.has_value() || !y.has_value() || !weight_data(*w, tiled, part))
+      return ffi::Error::InvalidArgument("dense_many: weights are float32 (tiles: or bfloat16), results float32");
     auto wd = w->dimensions(), yd = (*y)->dimensions();
     const bool ok = yd.size() == 2 && yd[0] == xd[0] &&
                     (tiled ? wd.size() == 3 && wd[1] == xd[1] && wd[2] == kTile && wd[0] == (yd[1] + kTile - 1) / kTile
@@ -701,7 +743,9 @@ ffi::Error DenseMany(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remaini
     if (!ok)
       return ffi::Error::InvalidArgument("dense_many: expects x [M, K], y_i [M, N_i] and weights all W_i [K, N_i] "
                                          "or all W_i tiles [ceil(N_i / 48), K, 48]");
-    parts.push_back(Dense{x.typed_data(), w->typed_data(), nullptr, (*y)->typed_data(), xd[0], yd[1], xd[1], 0});
+    part.y = (*y)->typed_data();
+    part.N = yd[1];
+    parts.push_back(part);
     start.push_back(total);
     total += (yd[1] + tile - 1) / tile * tile;
     work += yd[1] * xd[1] * (xd[0] + 1);
@@ -1033,7 +1077,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxspec_dense_matmul, DenseMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("nk")

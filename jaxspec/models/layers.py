@@ -27,22 +27,25 @@ def param(value: jax.Array, axes: tuple[str, ...]) -> nnx.Param:
 
 
 class Tiled(nnx.Module):
-    """A float kernel [in, out] kept in column tiles [ceil(out / 48), in, 48] (`cpu_kernel.tile`), the layout
+    """A float32 kernel [in, out] kept in column tiles [ceil(out / 48), in, 48] (`cpu_kernel.tile`), the layout
     the CPU kernel streams at memory speed: on the 2-core VM a decode step runs about 1.3x faster, and a
     9-node tree verify's products cost about what one row's do. `tile_linears` swaps it in where that kernel runs
-    (`jaxspec.load` on one CPU device) and `untile_linears` swaps it back (sharding, quantising, saving)."""
+    (`jaxspec.load` on one CPU device) and `untile_linears` swaps it back (sharding, quantising, saving).
+    The tiles hold bfloat16 when every value of the kernel is one (`compact`): the same products from half the
+    bytes."""
 
-    def __init__(self, kernel: nnx.Param):
+    def __init__(self, kernel: nnx.Param, compact: bool = False):
         in_axis, out_axis = kernel.out_sharding
         self.out = int(kernel.shape[1])  # static: the graphdef carries it
-        self.tiles = param(cpu_kernel.tile(kernel[...]), (out_axis, in_axis, None))
+        self.tiles = param(cpu_kernel.tile(kernel[...], jnp.bfloat16 if compact else None), (out_axis, in_axis, None))
 
     @property
     def dtype(self):
-        return self.tiles.dtype
+        """The kernel's dtype (float32), whatever the tiles are stored in."""
+        return jnp.dtype(jnp.float32)
 
     def weight(self) -> jax.Array:
-        """The kernel [in, out]."""
+        """The kernel [in, out], float32."""
         return cpu_kernel.untile(self.tiles[...], self.out)
 
     def kernel(self) -> nnx.Param:
@@ -95,13 +98,15 @@ def project(x: jax.Array, *linears: Linear) -> list[jax.Array]:
     return [y + lin.bias[...] if lin.bias is not None else y for y, lin in zip(ys, linears)]
 
 
-def tile_linears(module: nnx.Module) -> nnx.Module:
+def tile_linears(module: nnx.Module, compact: bool = True) -> nnx.Module:
     """Every float32 Linear kernel of `module` into column tiles (`Tiled`), in place; returns the module.
-    Only where the CPU kernel runs (one CPU device, the kernel built): elsewhere the module is left as it is."""
+    Only where the CPU kernel runs (one CPU device, the kernel built): elsewhere the module is left as it is.
+    compact: tiles in bfloat16 for kernels whose every value is one (a bfloat16 checkpoint loaded in float32,
+    such as a drafter saved in bfloat16), which needs concrete values (not under `nnx.eval_shape`)."""
     if cpu_kernel.usable():
         for _, node in list(nnx.iter_graph(module)):
             if isinstance(node, Linear) and isinstance(node.kernel, nnx.Param) and node.kernel.dtype == jnp.float32:
-                node.kernel = Tiled(node.kernel)
+                node.kernel = Tiled(node.kernel, compact and cpu_kernel.bf16_exact(node.kernel[...]))
     return module
 
 
