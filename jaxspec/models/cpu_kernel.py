@@ -9,7 +9,8 @@ dozen rows it repacks the weight for its GEMM on every call, so a 5-node tree ve
 steps' products do: `dense` reads the weight once for all rows (and the tied LM head faster even for one).
 A Linear's [K, N] kernel is read fastest in column tiles (`tile`, `dense_tiled`): one contiguous stream per
 tile instead of K short pieces, so a decode step runs about 1.3x faster (bench/tiles.py) and a product of up to
-9 rows (a budget-8 verify) costs what one row does; `jaxspec.load` keeps float kernels that way on a CPU.
+9 rows (a budget-8 verify) costs what one row does; `jaxspec.load` keeps float kernels that way on a CPU, in
+bfloat16 where every value is one (a bfloat16 checkpoint: half the bytes, the same results).
 Compiled for the host (`-march=native`) into jaxspec's cache directory (`~/.cache/jaxspec`;
 `$JAXSPEC_CACHE_DIR` moves it), keyed by the source, the compiler flags, the jax version and the CPU, so an
 upgrade or another machine rebuilds it. Without a compiler (or with JAXSPEC_CPU_KERNEL=0) products run XLA's
