@@ -9,7 +9,7 @@ from flax import nnx
 
 from jaxspec.models import cpu_kernel
 from jaxspec.models import quant
-from jaxspec.models.layers import Linear, Tiled, project, tile_linears, untile_linears
+from jaxspec.models.layers import Linear, Tiled, lm_logits, project, tile_linears, untile_linears
 from jaxspec.sharding import make_mesh
 
 needs_kernel = pytest.mark.skipif(not cpu_kernel.available(), reason="no C++ compiler")
@@ -230,6 +230,27 @@ def test_tile_linears_round_trip():
         np.testing.assert_array_equal(np.asarray(lin.kernel[...]), w)
     tile_linears(model, compact=False)
     assert [lin.kernel.tiles.dtype for lin in lins] == [jnp.float32, jnp.float32]
+
+
+@needs_kernel
+def test_tiled_lm_head_over_a_draft_vocabulary():
+    """An untied LM head in column tiles (float32 or bfloat16) over a draft vocabulary's columns: their logits,
+    on the kernel (the gathered columns are float32 for it whatever the tiles hold)."""
+    rng = np.random.default_rng(0)
+    head = Linear(64, 300, ("embed", "vocab"), rngs=nnx.Rngs(0))
+    head.kernel[...] = jnp.asarray(rng.normal(size=(64, 300)), jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+    w = np.asarray(head.kernel[...])
+    vocab = jnp.asarray([299, 0, 47, 48, 150, 7], jnp.int32)
+    h = jnp.asarray(rng.normal(size=(3, 64)).astype(np.float32))
+    for compact in (False, True):
+        module = nnx.Module()
+        module.head = Linear(64, 300, ("embed", "vocab"), rngs=nnx.Rngs(0))
+        module.head.kernel[...] = head.kernel[...]
+        tile_linears(module, compact=compact)
+        assert module.head.kernel.tiles.dtype == (jnp.bfloat16 if compact else jnp.float32)
+        f = lambda h: lm_logits(h, None, module.head, vocab)  # noqa: E731
+        assert_product(jax.jit(f)(h), h, w[:, np.asarray(vocab)])
+        assert cpu_kernel.DENSE in hlo(f, h)
 
 
 def attention_f64(q, k_old, v_old, k_new, v_new, length, mask, scale, softcap):

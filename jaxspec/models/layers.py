@@ -170,11 +170,11 @@ def lm_logits(h: jax.Array, embed_tokens, lm_head: "Linear | None", vocab: jax.A
         return quant.matmul_parts(h, *rows).astype(jnp.float32)
     if lm_head is None:
         return cpu_kernel.dense(h, W[...], nk=True, rows=vocab, preferred_element_type=jnp.float32)
-    if isinstance(W, Tiled):  # float32 by construction
+    if isinstance(W, Tiled):  # a float32 kernel (its tiles float32 or bfloat16)
         if vocab is None:
             return cpu_kernel.dense_tiled(h, W.tiles[...], W.out)
         cols = W.tiles[...][vocab // cpu_kernel.TILE, :, vocab % cpu_kernel.TILE]  # [K, H]: those columns' weights
-        return cpu_kernel.dense(h, cols, nk=True)
+        return cpu_kernel.dense(h, cols.astype(jnp.float32), nk=True)
     W = W[...] if vocab is None else jnp.take(W[...], vocab, axis=1)
     return cpu_kernel.dense(h, W, preferred_element_type=jnp.float32)
 
