@@ -188,7 +188,8 @@ def test_bfloat16_tiles_give_the_float32_tiles_results(rows):
     assert bf16[0].dtype == jnp.bfloat16 and cpu_kernel.untile(bf16[0], ns[0]).dtype == jnp.float32
     many = jax.jit(lambda x, ts: cpu_kernel.dense_many_tiled(x, ts, ns))
     want = many(x, f32)
-    for got in (many(x, bf16), many(x, [bf16[0], f32[1]]), [jax.jit(cpu_kernel.dense_tiled, static_argnums=2)(x, bf16[0], ns[0])]):
+    one = jax.jit(cpu_kernel.dense_tiled, static_argnums=2)
+    for got in (many(x, bf16), many(x, [bf16[0], f32[1]]), [one(x, bf16[0], ns[0])]):
         for g, w in zip(got, want):
             assert g.dtype == jnp.float32
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

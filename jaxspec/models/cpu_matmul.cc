@@ -396,10 +396,10 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
 }
 
 // Float32 products with few input rows: y[M, N] = x[M, K] @ W, W stored [K, N] (a Linear's kernel), in column
-// tiles [T, K, 48] (a Linear's kernel as `jaxspec.load` keeps it on a CPU: cpu_kernel.tile; float32 or bfloat16) or [N, K] (a tied
-// embedding used as the LM head). XLA:CPU's product reads W once for one row (a matrix-vector
-// product) but, for 2 to a few dozen rows, packs W into its GEMM layout on every call, so a 2-row product
-// costs two 1-row ones and a 5-node tree verify twice a decode step. These tiles read W once for all rows.
+// tiles [T, K, 48] (a Linear's kernel as `jaxspec.load` keeps it on a CPU: cpu_kernel.tile; float32 or
+// bfloat16) or [N, K] (a tied embedding used as the LM head). XLA:CPU's product reads W once for one row (a
+// matrix-vector product) but, for 2 to a few dozen rows, packs W into its GEMM layout on every call, so a 2-row
+// product costs two 1-row ones and a 5-node tree verify twice a decode step. These tiles read W once for all rows.
 struct Dense {
   const float* x;      // [M, K]
   const float* w;      // [K, N], or [V, K] when nk
@@ -677,7 +677,7 @@ void nk_rows(const Dense& p, int64_t n0, int64_t n1) {
 }
 #endif
 
-// W's data as a Dense's weight: float32, or (column tiles only) bfloat16; null when its type is neither.
+// W's data into p: float32, or (column tiles only) bfloat16; false when it is neither.
 bool weight_data(const ffi::AnyBuffer& w, bool tiles, Dense& p) {
   if (w.element_type() == ffi::DataType::F32) {
     p.w = static_cast<const float*>(w.untyped_data());
