@@ -1,6 +1,10 @@
 """The float32 CPU matmul kernel (`cpu_kernel.dense`, `cpu_matmul.cc`): every tile shape and tail against a
 float64 product, where it is used and where it must not be (a mesh, a GPU lowering, too many rows), and its
 gradient. The packed-weight kernel is tested in test_quant.py."""
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,6 +51,28 @@ def test_dense_kernel_tiles_tails_and_threads(layout, rows):
 
 def hlo(f, *args) -> str:
     return jax.jit(f).lower(*args).as_text()
+
+
+@needs_kernel
+def test_a_build_without_avx512_leaves_products_to_xla(tmp_path):
+    """Built for a CPU without AVX-512 (here -march=haswell, in a fresh process and cache directory), the library
+    says so and is not used: one notice, products lowered to XLA's dot, Linear kernels left untiled."""
+    code = """
+from jaxspec.models import cpu_kernel
+cpu_kernel.FLAGS = tuple("-march=haswell" if f == "-march=native" else f for f in cpu_kernel.FLAGS)
+import jax, jax.numpy as jnp
+from flax import nnx
+from jaxspec.models.layers import Linear, tile_linears
+lin = tile_linears(nnx.List([Linear(64, 96, ("embed", "ffn"), rngs=nnx.Rngs(0))]))[0]
+text = jax.jit(lambda x: cpu_kernel.dense(x, jnp.ones((64, 96)))).lower(jnp.ones((3, 64))).as_text()
+print(cpu_kernel.available(), cpu_kernel.DENSE in text, type(lin.kernel).__name__)
+"""
+    env = {**os.environ, "JAXSPEC_CACHE_DIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["False", "False", "Param"]
+    assert run.stderr.count("no AVX-512") == 1, run.stderr
+    assert list(tmp_path.glob("cpu_matmul-*.so"))  # built, asked, not used
 
 
 @needs_kernel

@@ -11,9 +11,10 @@ A Linear's [K, N] kernel is read fastest in column tiles (`tile`, `dense_tiled`)
 tile instead of K short pieces, so a decode step runs about 1.3x faster (bench/tiles.py) and a product of up to
 9 rows (a budget-8 verify) costs what one row does; `jaxspec.load` keeps float kernels that way on a CPU, in
 bfloat16 where every value is one (a bfloat16 checkpoint: half the bytes, the same results).
-Compiled for the host (`-march=native`) into jaxspec's cache directory (`~/.cache/jaxspec`;
-`$JAXSPEC_CACHE_DIR` moves it), keyed by the source, the compiler flags, the jax version and the CPU, so an
-upgrade or another machine rebuilds it. Without a compiler (or with JAXSPEC_CPU_KERNEL=0) products run XLA's
+The kernels are AVX-512 code: on a CPU without it (most desktop CPUs; ARM) they are not used, since plain loops
+in their place decoded 4x slower than XLA's forms (cpu_matmul.cc). Compiled for the host (`-march=native`) into
+jaxspec's cache directory (`~/.cache/jaxspec`; `$JAXSPEC_CACHE_DIR` moves it), keyed by the source, the
+compiler flags, the jax version and the CPU, so an upgrade or another machine rebuilds it. Without a compiler (or with JAXSPEC_CPU_KERNEL=0) products run XLA's
 forms: same results up to float32 summation order, slower; the reason is printed once. Under a multi-device
 mesh or when lowering for another platform they run XLA's forms too (`usable`, `on_cpu`).
 """
@@ -89,6 +90,8 @@ def available() -> bool:
         no_cxx = e.filename == os.environ.get("CXX", "c++")
         return _unavailable(str(e), "Install a C++ compiler (g++)" if no_cxx else
                             "Point JAXSPEC_CACHE_DIR at a writable directory")
+    if not lib.jaxspec_vectorised():  # built without AVX-512: XLA's forms beat plain loops 4x (cpu_matmul.cc)
+        return _unavailable("this CPU has no AVX-512, which they are written for", None)
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jaxspec_packed_matmul), platform="cpu")
     jax.ffi.register_ffi_target(DENSE, jax.ffi.pycapsule(lib.jaxspec_dense_matmul), platform="cpu")
     jax.ffi.register_ffi_target(DENSE_MANY, jax.ffi.pycapsule(lib.jaxspec_dense_many), platform="cpu")
@@ -97,9 +100,9 @@ def available() -> bool:
     return True
 
 
-def _unavailable(why: str, fix: str) -> bool:
+def _unavailable(why: str, fix: str | None) -> bool:
     print(f"jaxspec: the CPU matmul kernels are unavailable ({why}); matmuls run XLA's forms "
-          f"(same results, slower). {fix} to enable them.", file=sys.stderr)
+          f"(same results{', slower). ' + fix + ' to enable them.' if fix else ').'}", file=sys.stderr)
     return False
 
 
