@@ -16,7 +16,7 @@ from jaxspec.models import quant
 from jaxspec.models.layers import Linear, Tiled, lm_logits, project, tile_linears, untile_linears
 from jaxspec.sharding import make_mesh
 
-needs_kernel = pytest.mark.skipif(not cpu_kernel.available(), reason="no C++ compiler")
+needs_kernel = pytest.mark.skipif(cpu_kernel.level() < 2, reason="no C++ compiler or no AVX-512")
 
 
 def assert_product(got, x, w):
@@ -54,25 +54,38 @@ def hlo(f, *args) -> str:
 
 
 @needs_kernel
-def test_a_build_without_avx512_leaves_products_to_xla(tmp_path):
-    """Built for a CPU without AVX-512 (here -march=haswell, in a fresh process and cache directory), the library
-    says so and is not used: one notice, products lowered to XLA's dot, Linear kernels left untiled."""
-    code = """
+@pytest.mark.parametrize("march,level", [("haswell", 1), ("x86-64", 0)])
+def test_builds_without_avx512(tmp_path, march, level):
+    """Built for a CPU without AVX-512, in a fresh process and cache directory: with AVX2 and FMA (haswell) only
+    the products of column-tiled weights run the kernel, float32 and bfloat16 tiles, 1 to 13 rows, equal to a
+    float64 product; everything else lowers to XLA's forms. With neither (baseline x86-64) nothing runs it and
+    Linear kernels stay untiled. One notice each."""
+    code = f"""
 from jaxspec.models import cpu_kernel
-cpu_kernel.FLAGS = tuple("-march=haswell" if f == "-march=native" else f for f in cpu_kernel.FLAGS)
-import jax, jax.numpy as jnp
+cpu_kernel.FLAGS = tuple("-march={march}" if f == "-march=native" else f for f in cpu_kernel.FLAGS)
+import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 from jaxspec.models.layers import Linear, tile_linears
 lin = tile_linears(nnx.List([Linear(64, 96, ("embed", "ffn"), rngs=nnx.Rngs(0))]))[0]
-text = jax.jit(lambda x: cpu_kernel.dense(x, jnp.ones((64, 96)))).lower(jnp.ones((3, 64))).as_text()
-print(cpu_kernel.available(), cpu_kernel.DENSE in text, type(lin.kernel).__name__)
+plain = jax.jit(lambda x: cpu_kernel.dense(x, jnp.ones((64, 96)))).lower(jnp.ones((3, 64))).as_text()
+worst, rng = 0.0, np.random.default_rng(0)
+for rows in (1, 2, 3, 9, 13):
+    x = rng.normal(size=(rows, 70)).astype(np.float32)
+    w = jnp.asarray(rng.normal(size=(70, 130)), jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+    ref = x.astype(np.float64) @ np.asarray(w, np.float64)
+    for dt in (None, jnp.bfloat16):
+        y = jax.jit(lambda x, t: cpu_kernel.dense_tiled(x, t, 130))(x, cpu_kernel.tile(w, dt))
+        worst = max(worst, float(np.max(np.abs(np.asarray(y) - ref) / (np.abs(x) @ np.abs(np.asarray(w)) + 1e-30))))
+tiled = jax.jit(lambda x: cpu_kernel.dense_tiled(x, cpu_kernel.tile(jnp.ones((64, 96))), 96)).lower(jnp.ones((3, 64)))
+print(cpu_kernel.level(), cpu_kernel.DENSE in plain, cpu_kernel.DENSE in tiled.as_text(), type(lin.kernel).__name__,
+      worst < 1e-5)
 """
     env = {**os.environ, "JAXSPEC_CACHE_DIR": str(tmp_path)}
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.split() == ["False", "False", "Param"]
-    assert run.stderr.count("no AVX-512") == 1, run.stderr
-    assert list(tmp_path.glob("cpu_matmul-*.so"))  # built, asked, not used
+    assert run.stdout.split() == [str(level), "False", str(level == 1), "Tiled" if level else "Param", "True"]
+    notices = [ln for ln in run.stderr.splitlines() if ln.startswith("jaxspec:")]
+    assert len(notices) == 1 and "AVX-512" in notices[0], run.stderr
 
 
 @needs_kernel

@@ -11,10 +11,11 @@ A Linear's [K, N] kernel is read fastest in column tiles (`tile`, `dense_tiled`)
 tile instead of K short pieces, so a decode step runs about 1.3x faster (bench/tiles.py) and a product of up to
 9 rows (a budget-8 verify) costs what one row does; `jaxspec.load` keeps float kernels that way on a CPU, in
 bfloat16 where every value is one (a bfloat16 checkpoint: half the bytes, the same results).
-The kernels are AVX-512 code: on a CPU without it (most desktop CPUs; ARM) they are not used, since plain loops
-in their place decoded 4x slower than XLA's forms (cpu_matmul.cc). Compiled for the host (`-march=native`) into
-jaxspec's cache directory (`~/.cache/jaxspec`; `$JAXSPEC_CACHE_DIR` moves it), keyed by the source, the
-compiler flags, the jax version and the CPU, so an upgrade or another machine rebuilds it. Without a compiler (or with JAXSPEC_CPU_KERNEL=0) products run XLA's
+The kernels are AVX-512 code; with AVX2 and FMA only (most desktop CPUs) just the column tiles' products run
+(`level`), and on other CPUs (ARM) none, since plain loops in their place decoded 4x slower than XLA's forms
+(cpu_matmul.cc). Compiled for the host (`-march=native`) into jaxspec's cache directory (`~/.cache/jaxspec`;
+`$JAXSPEC_CACHE_DIR` moves it), keyed by the source, the compiler flags, the jax version and the CPU, so an
+upgrade or another machine rebuilds it. Without a compiler (or with JAXSPEC_CPU_KERNEL=0) products run XLA's
 forms: same results up to float32 summation order, slower; the reason is printed once. Under a multi-device
 mesh or when lowering for another platform they run XLA's forms too (`usable`, `on_cpu`).
 """
@@ -75,11 +76,18 @@ def _build() -> Path:
     return lib
 
 
-@functools.cache
 def available() -> bool:
-    """Build (or find) and register the kernel once per process; False if that is impossible or disabled."""
+    """Whether any kernel runs here (built and registered once per process): False if that is impossible or
+    disabled."""
+    return level() > 0
+
+
+@functools.cache
+def level() -> int:
+    """Build (or find) the library and register its kernels once per process -> 2: all of them (AVX-512); 1: the
+    products of weights in column tiles only (AVX2 and FMA: `dense_many_tiled`); 0: none."""
     if os.environ.get("JAXSPEC_CPU_KERNEL", "1") == "0":
-        return False
+        return 0
     try:
         lib = ctypes.CDLL(str(_build()))
     except subprocess.CalledProcessError as e:
@@ -90,26 +98,32 @@ def available() -> bool:
         no_cxx = e.filename == os.environ.get("CXX", "c++")
         return _unavailable(str(e), "Install a C++ compiler (g++)" if no_cxx else
                             "Point JAXSPEC_CACHE_DIR at a writable directory")
-    if not lib.jaxspec_vectorised():  # built without AVX-512: XLA's forms beat plain loops 4x (cpu_matmul.cc)
-        return _unavailable("this CPU has no AVX-512, which they are written for", None)
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jaxspec_packed_matmul), platform="cpu")
+    vectorised = lib.jaxspec_vectorised()  # what the compiler could build for this CPU (cpu_matmul.cc)
+    if not vectorised:  # XLA's forms beat plain loops 4x
+        return _unavailable("this CPU has neither AVX-512 nor AVX2, which they are written for", None)
     jax.ffi.register_ffi_target(DENSE, jax.ffi.pycapsule(lib.jaxspec_dense_matmul), platform="cpu")
     jax.ffi.register_ffi_target(DENSE_MANY, jax.ffi.pycapsule(lib.jaxspec_dense_many), platform="cpu")
+    if vectorised == 1:
+        print("jaxspec: this CPU has no AVX-512: of the CPU kernels only the products of column-tiled weights run "
+              "(AVX2); the LM head, attention and packed weights run XLA's forms (same results, slower).",
+              file=sys.stderr)
+        return 1
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.jaxspec_packed_matmul), platform="cpu")
     jax.ffi.register_ffi_target(ARGMAX, jax.ffi.pycapsule(lib.jaxspec_argmax), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION, jax.ffi.pycapsule(lib.jaxspec_cache_attention), platform="cpu")
-    return True
+    return 2
 
 
-def _unavailable(why: str, fix: str | None) -> bool:
+def _unavailable(why: str, fix: str | None) -> int:
     print(f"jaxspec: the CPU matmul kernels are unavailable ({why}); matmuls run XLA's forms "
           f"(same results{', slower). ' + fix + ' to enable them.' if fix else ').'}", file=sys.stderr)
-    return False
+    return 0
 
 
 def packed_matmul(x: jax.Array, codes: jax.Array, scale: jax.Array, offset: jax.Array | None) -> jax.Array:
     """x float32 [M, K] @ W.T -> [M, N] on the CPU kernel, W packed as in quant.py: codes int8 [N, K] or
     uint8 [N, K / 2] (4-bit, GGUF block order), scale / offset float32 [N, G], K / G a multiple of 32."""
-    if not available():
+    if level() < 2:
         raise RuntimeError("the packed-weight CPU kernel is unavailable (see the notice above); use quant.matmul")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], codes.shape[0]), jnp.float32),
                             vmap_method="sequential")
@@ -128,17 +142,17 @@ ROWS = {"kn": (1, 48), "nk": (1, 24), "nk_rows": (1, 48)}
 TILE = 48
 
 
-def usable(*weights) -> bool:
-    """Whether a product with these weights may run a kernel here: a CPU backend, the kernel built, and no
-    weight split over a mesh of several devices (the partitioner cannot split a custom call: it would gather
-    the whole weight onto every device)."""
+def usable(*weights, tiles: bool = False) -> bool:
+    """Whether a product with these weights may run a kernel here: a CPU backend, the kernel built (for weights
+    in column tiles, `tiles`: also without AVX-512), and no weight split over a mesh of several devices (the
+    partitioner cannot split a custom call: it would gather the whole weight onto every device)."""
     if jax.default_backend() != "cpu":
         return False
     for w in weights:
         mesh = getattr(getattr(jax.typeof(w), "sharding", None), "mesh", None)
         if mesh is not None and not mesh.empty and mesh.size > 1:
             return False
-    return available()
+    return level() >= (1 if tiles else 2)
 
 
 def on_cpu(kernel, xla, *args):
@@ -221,7 +235,7 @@ def dense_many_tiled(x: jax.Array, tiles: list[jax.Array], ns: list[int]) -> lis
     m, K = int(np.prod(x.shape[:-1])), x.shape[-1]
     x2, ns = x.reshape(m, K), tuple(ns)
     if x.dtype == jnp.float32 and all(t.dtype in (jnp.float32, jnp.bfloat16) for t in tiles) and m >= 1 \
-            and usable(*tiles):
+            and usable(*tiles, tiles=True):
         ys = on_cpu(lambda x2, *ts: _tiled_kernel(ns, x2, *ts), lambda x2, *ts: _tiled_xla(ns, x2, *ts), x2, *tiles)
     else:
         ys = _tiled_xla(ns, x2, *tiles)
@@ -230,7 +244,7 @@ def dense_many_tiled(x: jax.Array, tiles: list[jax.Array], ns: list[int]) -> lis
 
 def dense_kernel(x: jax.Array, w: jax.Array, *, nk: bool = False, rows: jax.Array | None = None) -> jax.Array:
     """`dense` on the kernel whatever the number of rows: x float32 [M, K] -> [M, N]."""
-    if not available():
+    if level() < 2:
         raise RuntimeError("the CPU matmul kernel is unavailable (see the notice above)")
     idx = jnp.zeros((1,), jnp.int32) if rows is None else rows.astype(jnp.int32)
     return _dense_kernel(x, w, idx, nk, rows is not None)

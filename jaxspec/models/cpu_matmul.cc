@@ -33,21 +33,27 @@
 #include <thread>
 #include <vector>
 
-// Every kernel here is written for AVX-512 (x86-64: Intel Xeon since Skylake-SP, AMD since Zen 4). Built for a
-// CPU without it, the library holds only `jaxspec_vectorised`, which says so, and cpu_kernel.py keeps XLA's forms:
-// plain loops in their place made AR decode 4x slower than XLA's (16.7 against 70.8 tokens/s, this file built
-// with -march=haswell on the 2-core EPYC VM, where AVX-512 decodes 95.9).
-extern "C" int jaxspec_vectorised() {
+// The kernels are written for AVX-512 (x86-64: Intel Xeon since Skylake-SP, AMD since Zen 4). With AVX2 and FMA
+// only (most desktop CPUs) the library holds the products of weights in column tiles alone (`kt_rows`, 8 lanes);
+// with neither, none. `jaxspec_vectorised` says which, and cpu_kernel.py runs XLA's forms for the rest: plain loops
+// in the kernels' place made AR decode 4x slower than XLA's (16.7 against 70.8 tokens/s, this file built with
+// -march=haswell on the 2-core EPYC VM, where AVX-512 decodes 95.9).
+extern "C" int jaxspec_vectorised() {  // 2: every kernel; 1: column tiles only; 0: none
 #if defined(__AVX512F__)
+  return 2;
+#elif defined(__AVX2__) && defined(__FMA__)
   return 1;
 #else
   return 0;
 #endif
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__)
+#define JAXSPEC_AVX512 1
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define JAXSPEC_VNNI 1
 #endif
 
@@ -57,6 +63,42 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// Work shared between the calling thread and pool tasks: chunks of output columns handed out by an atomic
+// counter. The caller takes chunks too and waits only for chunks already being worked on, so it never waits
+// on a task that has not started (no deadlock when the pool is busy); late tasks find nothing left and exit.
+struct Shared {
+  std::function<void(int64_t, int64_t)> rows;  // computes outputs [n0, n1) for every input row
+  int64_t N = 0, chunk = 0, n_chunks = 0;
+  std::atomic<int64_t> next{0}, done{0};
+  void work() {
+    for (int64_t i; (i = next.fetch_add(1)) < n_chunks;) {
+      rows(i * chunk, std::min(N, (i + 1) * chunk));
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// Outputs [0, N) in about `per_thread` chunks per thread (a multiple of `align` outputs each, at least `least`),
+// over the pool's threads when the work (weights read times input rows + 1) is worth waking them for.
+void parallel(ffi::ThreadPool& pool, int64_t N, int64_t align, int64_t per_thread, int64_t work,
+              std::function<void(int64_t, int64_t)> rows, int64_t least = 8) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  if (threads == 1 || work < (int64_t{1} << 18)) {
+    rows(0, N);
+    return;
+  }
+  auto sh = std::make_shared<Shared>();
+  sh->rows = std::move(rows);
+  sh->N = N;
+  const int64_t want = std::max<int64_t>(least, (N + per_thread * threads - 1) / (per_thread * threads));
+  sh->chunk = (want + align - 1) / align * align;
+  sh->n_chunks = (N + sh->chunk - 1) / sh->chunk;
+  for (int64_t t = 1; t < threads; ++t) pool.Schedule([sh] { sh->work(); });
+  sh->work();
+  while (sh->done.load(std::memory_order_acquire) < sh->n_chunks) std::this_thread::yield();
+}
+
+#if defined(JAXSPEC_AVX512)
 struct Problem {
   const float* x;        // [M, K]
   const uint8_t* codes;  // [N, K * bits / 8]
@@ -321,41 +363,6 @@ void run_rows(const Problem& p, const Prepared& q, int64_t n0, int64_t n1) {
   }
 }
 
-// Work shared between the calling thread and pool tasks: chunks of output columns handed out by an atomic
-// counter. The caller takes chunks too and waits only for chunks already being worked on, so it never waits
-// on a task that has not started (no deadlock when the pool is busy); late tasks find nothing left and exit.
-struct Shared {
-  std::function<void(int64_t, int64_t)> rows;  // computes outputs [n0, n1) for every input row
-  int64_t N = 0, chunk = 0, n_chunks = 0;
-  std::atomic<int64_t> next{0}, done{0};
-  void work() {
-    for (int64_t i; (i = next.fetch_add(1)) < n_chunks;) {
-      rows(i * chunk, std::min(N, (i + 1) * chunk));
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-// Outputs [0, N) in about `per_thread` chunks per thread (a multiple of `align` outputs each, at least `least`),
-// over the pool's threads when the work (weights read times input rows + 1) is worth waking them for.
-void parallel(ffi::ThreadPool& pool, int64_t N, int64_t align, int64_t per_thread, int64_t work,
-              std::function<void(int64_t, int64_t)> rows, int64_t least = 8) {
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  if (threads == 1 || work < (int64_t{1} << 18)) {
-    rows(0, N);
-    return;
-  }
-  auto sh = std::make_shared<Shared>();
-  sh->rows = std::move(rows);
-  sh->N = N;
-  const int64_t want = std::max<int64_t>(least, (N + per_thread * threads - 1) / (per_thread * threads));
-  sh->chunk = (want + align - 1) / align * align;
-  sh->n_chunks = (N + sh->chunk - 1) / sh->chunk;
-  for (int64_t t = 1; t < threads; ++t) pool.Schedule([sh] { sh->work(); });
-  sh->work();
-  while (sh->done.load(std::memory_order_acquire) < sh->n_chunks) std::this_thread::yield();
-}
-
 ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
                         ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset, ffi::ResultBuffer<ffi::F32> y,
                         int64_t bits, bool with_offset) {
@@ -382,6 +389,8 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
   return ffi::Error::Success();
 }
 
+#endif  // JAXSPEC_AVX512 (packed weights)
+
 // Float32 products with few input rows: y[M, N] = x[M, K] @ W, W stored [K, N] (a Linear's kernel), in column
 // tiles [T, K, 48] (a Linear's kernel as `jaxspec.load` keeps it on a CPU: cpu_kernel.tile; float32 or
 // bfloat16) or [N, K] (a tied embedding used as the LM head). XLA:CPU's product reads W once for one row (a
@@ -398,6 +407,9 @@ struct Dense {
   const float* row(int64_t n) const { return w + (idx ? std::clamp<int64_t>(idx[n], 0, V - 1) : n) * K; }
 };
 
+constexpr int64_t kTile = 48;  // columns of a column tile (cpu_kernel.TILE)
+
+#if defined(JAXSPEC_AVX512)
 // W [K, N]: outputs [j0, j0 + 64) x input rows [m0, m0 + R) over the block of inputs [k0, k0 + KB), sums in
 // registers (y holds the running sum between blocks). While a block is multiplied, the same tile of the next block is
 // prefetched into L2, so W's strided tile reads never wait on memory. Measured against reading W's rows
@@ -466,7 +478,6 @@ void kn_rows(const Dense& p, int64_t n0, int64_t n1) {
 // vectors leave registers for up to 9 rows (27 sums), so a 9-node verify reads each weight once, and at the
 // same speed as a decode step. Measured on the 2-core EPYC VM (30 layers of SmolLM2's gate and up, both
 // threads): 1 / 9 / 17 rows in 2.4 / 2.5 / 4.2 ms against 3.8 / 5.3 / 6.9 ms for kn_rows on [K, N].
-constexpr int64_t kTile = 48;
 
 // Tiles may hold bfloat16 (`wh`): the weights of a bfloat16 checkpoint, kept so when every value is one
 // (cpu_kernel.tile). Widening a bfloat16 to float32 is exact (its 16 bits become the high half), so the sums are
@@ -623,6 +634,76 @@ void nk_rows(const Dense& p, int64_t n0, int64_t n1) {
   }
 }
 
+#else
+// AVX2 (16 vector registers of 8 lanes): one input row takes a whole tile row (6 vectors) at a time; more rows
+// go 3 at a time over half a tile row (9 sums, 3 broadcasts, 1 weight vector), reading the tile again per
+// group, from L2 after the first pass.
+template <bool BF16>
+inline __m256 tile_vector(const Dense& p, int64_t at) {
+  if constexpr (BF16)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.wh + at))), 16));
+  else
+    return _mm256_loadu_ps(p.w + at);
+}
+
+// Outputs [j0, j0 + 8 C) (c0: the first of the tile's 6 vectors) x input rows [m0, m0 + R).
+template <int C, int R, bool BF16>
+void kt_part(const Dense& p, int64_t j0, int c0, int64_t m0) {
+  constexpr int64_t bytes = BF16 ? 2 : 4;
+  __m256 acc[R][C];
+  for (int i = 0; i < R * C; ++i) acc[i / C][i % C] = _mm256_setzero_ps();
+  int64_t at = (j0 / kTile) * p.K * kTile + 8 * c0;
+  const char* base = BF16 ? reinterpret_cast<const char*>(p.wh) : reinterpret_cast<const char*>(p.w);
+  const float* x = p.x + m0 * p.K;
+  for (int64_t k = 0; k < p.K; ++k, at += kTile) {
+    for (int c = 0; c < C; c += 2) _mm_prefetch(base + (at + 32 * kTile + 8 * c) * bytes, _MM_HINT_T0);
+    __m256 xb[R];
+    for (int r = 0; r < R; ++r) xb[r] = _mm256_set1_ps(x[r * p.K + k]);
+#pragma GCC unroll 6
+    for (int c = 0; c < C; ++c) {
+      const __m256 wv = tile_vector<BF16>(p, at + 8 * c);
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm256_fmadd_ps(xb[r], wv, acc[r][c]);
+    }
+  }
+  float* y = p.y + m0 * p.N + j0 + 8 * c0;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int i = 0; i < R * C; ++i) {
+    const int64_t left = p.N - j0 - 8 * (c0 + i % C);  // outputs of this vector inside N
+    const __m256i in = _mm256_set1_epi32(static_cast<int>(std::clamp<int64_t>(left, 0, 8)));
+    const __m256i mask = _mm256_cmpgt_epi32(in, lane);
+    _mm256_maskstore_ps(y + (i / C) * p.N + 8 * (i % C), mask, acc[i / C][i % C]);
+  }
+}
+
+template <int R, bool BF16>
+void kt_halves(const Dense& p, int64_t j0, int64_t m0) {
+  kt_part<3, R, BF16>(p, j0, 0, m0);
+  kt_part<3, R, BF16>(p, j0, 3, m0);
+}
+
+// n0: a multiple of kTile. Input rows in groups of at most 3, as even as their count allows.
+template <bool BF16>
+void kt_rows_of(const Dense& p, int64_t n0, int64_t n1) {
+  const int64_t groups = (p.M + 2) / 3;
+  for (int64_t j = n0; j < n1; j += kTile) {
+    if (p.M == 1) {
+      kt_part<6, 1, BF16>(p, j, 0, 0);
+      continue;
+    }
+    for (int64_t g = 0, m = 0; g < groups; ++g) {
+      const int64_t r = (p.M - m + groups - g - 1) / (groups - g);
+      r == 3 ? kt_halves<3, BF16>(p, j, m) : r == 2 ? kt_halves<2, BF16>(p, j, m) : kt_halves<1, BF16>(p, j, m);
+      m += r;
+    }
+  }
+}
+
+void kt_rows(const Dense& p, int64_t n0, int64_t n1) {
+  p.wh ? kt_rows_of<true>(p, n0, n1) : kt_rows_of<false>(p, n0, n1);
+}
+#endif  // JAXSPEC_AVX512
+
 // W's data into p: float32, or (column tiles only) bfloat16; false when it is neither.
 bool weight_data(const ffi::AnyBuffer& w, bool tiles, Dense& p) {
   if (w.element_type() == ffi::DataType::F32) {
@@ -648,6 +729,7 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
       parallel(pool, p.N, kTile, 1, p.N * p.K * (p.M + 1), [p](int64_t n0, int64_t n1) { kt_rows(p, n0, n1); });
     return ffi::Error::Success();
   }
+#if defined(JAXSPEC_AVX512)
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || wd[nk ? 1 : 0] != xd[1] || (gather && !nk) ||
       yd[1] != (gather ? idx.element_count() : wd[nk ? 0 : 1]))
     return ffi::Error::InvalidArgument("dense_matmul: expects x [M, K] and W [K, N] (or [V, K] with nk, rows idx [N])");
@@ -659,6 +741,9 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   else
     parallel(pool, p.N, 64, 1, p.N * p.K * (p.M + 1), [p](int64_t n0, int64_t n1) { kn_rows(p, n0, n1); });
   return ffi::Error::Success();
+#else
+  return ffi::Error::InvalidArgument("dense_matmul: without AVX-512 only W in column tiles [ceil(N / 48), K, 48]");
+#endif
 }
 
 // Several weights W_i [K, N_i] applied to the same x [M, K] in one call (a layer's q, k, v or gate and up),
@@ -675,6 +760,9 @@ ffi::Error DenseMany(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remaini
   std::vector<int64_t> start;  // where weight i's columns begin in the padded side-by-side layout
   int64_t total = 0, work = 0;
   const bool tiled = ws.get<ffi::AnyBuffer>(0).has_value() && ws.get<ffi::AnyBuffer>(0)->dimensions().size() == 3;
+#if !defined(JAXSPEC_AVX512)
+  if (!tiled) return ffi::Error::InvalidArgument("dense_many: without AVX-512 only weights in column tiles");
+#endif
   const int64_t tile = tiled ? kTile : 64;
   for (size_t i = 0; i < ws.size(); ++i) {
     auto w = ws.get<ffi::AnyBuffer>(i);
@@ -700,12 +788,17 @@ ffi::Error DenseMany(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remaini
   parallel(pool, total, tile, 1, work, [parts, start, tiled](int64_t n0, int64_t n1) {
     for (size_t i = 0; i < parts.size(); ++i) {
       const int64_t lo = std::max(n0, start[i]) - start[i], hi = std::min(n1 - start[i], parts[i].N);
+#if defined(JAXSPEC_AVX512)
       if (lo < hi) (tiled ? kt_rows : kn_rows)(parts[i], lo, hi);
+#else
+      if (lo < hi) kt_rows(parts[i], lo, hi);
+#endif
     }
   });
   return ffi::Error::Success();
 }
 
+#if defined(JAXSPEC_AVX512)
 // Row-wise argmax: x [M, V] -> y [M] int32, the first maximum, or the first NaN when a row has one (the rule of
 // jnp.argmax). XLA:CPU forms it from a max reduction and an index reduction over an [M, V] mask it writes out:
 // 1.3 ms for a 9-node verify's [9, 49152] logits inside a round, where this reads each row twice from cache.
@@ -956,8 +1049,11 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   return ffi::Error::Success();
 }
 
+#endif  // JAXSPEC_AVX512 (argmax, attention)
+
 }  // namespace
 
+#if defined(JAXSPEC_AVX512)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxspec_packed_matmul, PackedMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -968,6 +1064,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxspec_packed_matmul, PackedMatmul,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("bits")
                                   .Attr<bool>("with_offset"));
+
+#endif
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxspec_dense_matmul, DenseMatmul,
                               ffi::Ffi::Bind()
@@ -986,6 +1084,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxspec_dense_many, DenseMany,
                                   .RemainingArgs()
                                   .RemainingRets());
 
+#if defined(JAXSPEC_AVX512)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxspec_argmax, Argmax,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>());
 
@@ -1002,4 +1101,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxspec_cache_attention, CacheAttention,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap"));
-#endif  // __AVX512F__
+#endif  // JAXSPEC_AVX512
+#endif  // AVX-512, or AVX2 and FMA

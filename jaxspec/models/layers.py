@@ -103,7 +103,7 @@ def tile_linears(module: nnx.Module, compact: bool = True) -> nnx.Module:
     Only where the CPU kernel runs (one CPU device, the kernel built): elsewhere the module is left as it is.
     compact: tiles in bfloat16 for kernels whose every value is one (a bfloat16 checkpoint loaded in float32,
     such as a drafter saved in bfloat16), which needs concrete values (not under `nnx.eval_shape`)."""
-    if cpu_kernel.usable():
+    if cpu_kernel.usable(tiles=True):
         for _, node in list(nnx.iter_graph(module)):
             if isinstance(node, Linear) and isinstance(node.kernel, nnx.Param) and node.kernel.dtype == jnp.float32:
                 node.kernel = Tiled(node.kernel, compact and cpu_kernel.bf16_exact(node.kernel[...]))
