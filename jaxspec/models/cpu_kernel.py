@@ -115,8 +115,9 @@ def level() -> int:
 
 
 def _unavailable(why: str, fix: str | None) -> int:
-    print(f"jaxspec: the CPU matmul kernels are unavailable ({why}); matmuls run XLA's forms "
-          f"(same results{', slower). ' + fix + ' to enable them.' if fix else ').'}", file=sys.stderr)
+    """One notice (with the fix where the user has one) -> level 0."""
+    tail = f"(same results, slower). {fix} to enable them." if fix else "(same results)."
+    print(f"jaxspec: the CPU matmul kernels are unavailable ({why}); matmuls run XLA's forms {tail}", file=sys.stderr)
     return 0
 
 
@@ -205,10 +206,10 @@ def tile(w: jax.Array, dtype=None) -> jax.Array:
     return jnp.transpose(w.reshape(K, T, TILE), (1, 0, 2))
 
 
-def untile(tiles: jax.Array, n: int, dtype=jnp.float32) -> jax.Array:
-    """`tile`'s inverse: tiles [T, K, TILE] -> W [K, n] in `dtype` (bfloat16 tiles widen exactly)."""
+def untile(tiles: jax.Array, n: int) -> jax.Array:
+    """`tile`'s inverse: tiles [T, K, TILE] -> W [K, n], float32 (bfloat16 tiles widen exactly)."""
     T, K, _ = tiles.shape
-    return jnp.transpose(tiles, (1, 0, 2)).reshape(K, T * TILE)[:, :n].astype(dtype)
+    return jnp.transpose(tiles, (1, 0, 2)).reshape(K, T * TILE)[:, :n].astype(jnp.float32)
 
 
 def bf16_exact(w) -> bool:
