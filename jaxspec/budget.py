@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.kernels import cpu
 from jaxspec.usercache import cache_dir
 
 ACCEPTANCE_FILE = "acceptance.json"
@@ -171,11 +172,9 @@ def larger_can_win(acceptance: dict[int, float], round_s: dict[int, float]) -> b
 
 
 def _key(model, drafter, acceptance, lookup) -> str:
-    from jaxspec.models import cpu_kernel  # it imports this module
-
     dev = jax.devices()[0]
     params = [(str(x.shape), str(x.dtype)) for x in jax.tree.leaves(model.params)]
-    kernels = cpu_kernel.build_key() if dev.platform == "cpu" and cpu_kernel.available() else None
+    kernels = (model.kernels, cpu.build_key() if model.kernels == "cpu" else None)
     parts = [model.config, drafter.config, params, dev.platform, getattr(dev, "device_kind", ""), jax.__version__,
              jax.device_count(), sorted(acceptance.items()), lookup, COST_CONTEXT, COST_FORMAT, kernels]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]

@@ -17,9 +17,9 @@ from flax import nnx
 from jaxspec.budget import ACCEPTANCE_FILE, read_acceptance
 from jaxspec.checkpoint import DFLASH_ZLAB_RULES, WeightsError, load_params, read_safetensors
 from jaxspec.config import ConfigError, DrafterConfig, default_target_layer_ids, drafter_config_from_dict
+from jaxspec.kernels import plain, prepare, resolve
 from jaxspec.model import Model, StaticDef
 from jaxspec.models.dflash import DFlashDrafter
-from jaxspec.models.layers import tile_linears, untile_linears
 from jaxspec.sharding import Layout
 
 MAX_BLOCK_SIZE = 64
@@ -29,14 +29,15 @@ MAX_BLOCK_SIZE = 64
 class Drafter:
     config: DrafterConfig
     graphdef: Any
-    params: Any  # nnx.State of the DFlashDrafter
+    params: Any  # nnx.State of the DFlashDrafter, in the kernel backend's weight layout
     layout: Layout | None = None  # sharded over its target's mesh, by the "drafter" rules
     acceptance: dict[int, float] | None = None  # {budget: acceptance length} on held-out prompts (budget.py)
+    kernels: str = "xla"  # the kernel backend, its target's (jaxspec.kernels)
 
     @functools.cached_property
     def jit_def(self) -> StaticDef:
-        """The graphdef as the engine's static jit argument (hashed once per handle)."""
-        return StaticDef(self.graphdef)
+        """The graphdef and kernel backend as the engine's static jit argument (hashed once per handle)."""
+        return StaticDef(self.graphdef, self.kernels)
 
     @property
     def module(self) -> DFlashDrafter:
@@ -44,13 +45,14 @@ class Drafter:
 
     @staticmethod
     def from_module(module: DFlashDrafter, model: Model | None = None) -> "Drafter":
-        """The handle for `module`, placed on `model`'s mesh when the target is sharded."""
+        """The handle for `module` as it is, on `model`'s kernel backend, placed on its mesh when the target is
+        sharded."""
         graphdef, params = nnx.split(module)
         if model is None or model.layout is None:
-            return Drafter(module.config, graphdef, params)
+            return Drafter(module.config, graphdef, params, kernels=resolve() if model is None else model.kernels)
         c = module.config
         layout = Layout.of("drafter", model.layout.mesh, {"q_heads": c.num_heads, "kv_heads": c.num_kv_heads})
-        return Drafter(module.config, graphdef, layout.place_params(params), layout)
+        return Drafter(module.config, graphdef, layout.place_params(plain(params)), layout, kernels=model.kernels)
 
     def save(self, path, dtype: str = "float32") -> None:
         """Write config.json + model.safetensors (unprefixed z-lab names) atomically; dtype float32 or bfloat16."""
@@ -62,7 +64,7 @@ class Drafter:
 
         path = Path(path)
         tensors = {}
-        for key, var in nnx.to_flat_state(nnx.state(untile_linears(self.module))):
+        for key, var in nnx.to_flat_state(plain(self.params)):
             name = ".".join(str(p) for p in key)
             arr = np.asarray(var[...], np.float32)
             if name.endswith(".kernel"):
@@ -124,9 +126,9 @@ def load_drafter(path, model: Model) -> Drafter:
     dt = model.dtype
     module = load_params(lambda: DFlashDrafter(cfg, dtype=dt, rngs=nnx.Rngs(0)), read_safetensors(path),
                          DFLASH_ZLAB_RULES, what="drafter checkpoint")
-    if model.layout is None:  # as the target's: float kernels in the CPU kernel's column tiles
-        module = tile_linears(module)
-    return dataclasses.replace(Drafter.from_module(module, model), acceptance=read_acceptance(path))
+    drafter = Drafter.from_module(module, model)  # in its target's weight layout, as its target
+    return dataclasses.replace(drafter, params=prepare(drafter.params, drafter.kernels),
+                               acceptance=read_acceptance(path))
 
 
 def _read_draft_vocab(path: Path, size: int) -> tuple[int, ...]:

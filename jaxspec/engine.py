@@ -28,6 +28,7 @@ from flax import nnx
 
 from jaxspec.accept import accept_walk, node_targets
 from jaxspec.cache import Cache
+from jaxspec.kernels import use
 from jaxspec.lookup import MAX_DEPTH, chain_logprobs, lookup_chain
 from jaxspec.sampling import SamplingParams, sample
 from jaxspec.segment import Segment
@@ -51,12 +52,24 @@ class ARState:
     max_new: jax.Array  # [] or [B] int32: tokens each row may generate
 
 
+def _on_kernels(step):
+    """Trace an engine step under its target's kernel backend (the static `target_def.kernels`)."""
+
+    @functools.wraps(step)
+    def traced(target_def, *args, **kwargs):
+        with use(target_def.kernels):
+            return step(target_def, *args, **kwargs)
+
+    return traced
+
+
 def _pin(layout: Layout | None, cache: Cache) -> Cache:
     """Keep a cache sharded like the layers that write it (a no-op on one device)."""
     return cache if layout is None else layout.constrain(cache)
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "max_len", "out_len", "sampling", "eos", "layout"))
+@_on_kernels
 def ar_prefill(target_def, target_params, tokens, start, key, max_new, *, max_len, out_len,
                sampling: SamplingParams, eos, layout: Layout | None = None) -> ARState:
     """Left-padded prompts tokens [B, P] (row b's first real slot is start[b]) -> state with the first token."""
@@ -82,6 +95,7 @@ def _prefill(target, tokens, start, cache: Cache, key, sampling: SamplingParams)
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "sampling", "eos", "layout"), donate_argnames=("state",))
+@_on_kernels
 def ar_decode(target_def, target_params, state: ARState, stop_at, *, sampling: SamplingParams, eos,
               layout: Layout | None = None) -> ARState:
     """Decode until every row is done or `stop_at` tokens exist (a chunk boundary for streaming)."""
@@ -106,6 +120,7 @@ def ar_decode(target_def, target_params, state: ARState, stop_at, *, sampling: S
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "sampling", "eos", "layout"), donate_argnames=("state",))
+@_on_kernels
 def ar_refill(target_def, target_params, state: ARState, rows, tokens, start, max_new, *, sampling: SamplingParams,
               eos, layout: Layout | None = None) -> tuple[ARState, jax.Array]:
     """Continuous batching: rows `rows` [R] (finished; indices >= B are padding and ignored) start new prompts.
@@ -196,6 +211,7 @@ class SpecState:
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "max_len", "out_len", "settings"))
+@_on_kernels
 def spec_prefill(target_def, target_params, drafter_def, drafter_params, tokens, length, key, max_new, *,
                  max_len, out_len, settings: SpecSettings) -> SpecState:
     """Right-padded prompt tokens [1, P] (real length `length`) -> round state with the first bonus."""
@@ -257,6 +273,7 @@ def spec_round(target, drafter, s: SpecState, settings: SpecSettings) -> SpecSta
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "settings"), donate_argnames=("state",))
+@_on_kernels
 def spec_decode(target_def, target_params, drafter_def, drafter_params, state: SpecState, stop_at, *,
                 settings: SpecSettings) -> SpecState:
     """Run rounds until done or until `stop_at` tokens exist (a chunk boundary for streaming)."""

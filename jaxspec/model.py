@@ -19,8 +19,8 @@ from jaxspec.checkpoint.core import rule_target
 from jaxspec.checkpoint.gguf import native_schemes
 from jaxspec.checkpoint.orbax import is_converted, read_packing, restore_params
 from jaxspec.config import ConfigError, TargetConfig, read_config_json
+from jaxspec.kernels import plain, prepare, resolve, use
 from jaxspec.models import quant
-from jaxspec.models.layers import Tiled, tile_linears, untile_linears
 from jaxspec.models.registry import Family, config_from_dict, family_of, load_config
 from jaxspec.models.registry import layout as registry_layout
 from jaxspec.segment import Segment
@@ -38,23 +38,23 @@ def parse_dtype(dtype) -> Any:
 
 
 class StaticDef:
-    """An NNX graphdef as a static jit argument, hashed once.
+    """An NNX graphdef and the kernel backend it runs on, as a static jit argument hashed once.
 
-    jit hashes its static arguments on every call, and a graphdef's hash walks the whole module tree: for
-    SmolLM2 and its drafter that was about 1.5 ms of every decode call, most of a streaming chunk's dispatch.
-    The jitted engine steps take this holder and merge `.graphdef`."""
+    jit hashes its static arguments on every call, and a graphdef's hash walks the whole module tree: a
+    noticeable part of every decode call's dispatch (bench/cpu/dispatch.py). The jitted engine steps take
+    this holder, merge `.graphdef` and trace under `.kernels` (`jaxspec.kernels.use`)."""
 
-    __slots__ = ("graphdef", "_hash")
+    __slots__ = ("graphdef", "kernels", "_hash")
 
-    def __init__(self, graphdef):
-        self.graphdef, self._hash = graphdef, hash(graphdef)
+    def __init__(self, graphdef, kernels: str):
+        self.graphdef, self.kernels, self._hash = graphdef, kernels, hash((graphdef, kernels))
 
     def __hash__(self) -> int:
         return self._hash
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, StaticDef) and (self.graphdef is other.graphdef or (
-            self._hash == other._hash and self.graphdef == other.graphdef))
+        return isinstance(other, StaticDef) and self.kernels == other.kernels and (
+            self.graphdef is other.graphdef or (self._hash == other._hash and self.graphdef == other.graphdef))
 
 
 @dataclass(eq=False)
@@ -63,15 +63,21 @@ class Model:
 
     config: TargetConfig
     graphdef: Any
-    params: Any  # nnx.State of the family's module
+    params: Any  # nnx.State of the family's module, in the kernel backend's weight layout (`kernels.prepare`)
     tokenizer: Any = None
     source: str = ""
     layout: Layout | None = None  # the mesh and sharding rules, None on one device
+    kernels: str = "xla"  # the kernel backend its programs are traced on (jaxspec.kernels)
 
     @functools.cached_property
     def jit_def(self) -> StaticDef:
-        """The graphdef as the engine's static jit argument (hashed once per handle)."""
-        return StaticDef(self.graphdef)
+        """The graphdef and kernel backend as the engine's static jit argument (hashed once per handle)."""
+        return StaticDef(self.graphdef, self.kernels)
+
+    def plain_params(self):
+        """The parameters as plain arrays, whatever the backend's layout (what sharding, quantising and
+        saving take)."""
+        return plain(self.params)
 
     @property
     def family(self) -> Family:
@@ -102,38 +108,37 @@ class Model:
             raise ValueError(f"input_ids must be a non-empty [batch, length] array, got shape {ids.shape}")
         if ids.min() < 0 or ids.max() >= self.config.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); got {ids.min()}..{ids.max()}")
-        return np.asarray(_causal_logits(self.graphdef, self.params, jnp.asarray(ids)))
+        return np.asarray(_causal_logits(self.jit_def, self.params, jnp.asarray(ids)))
 
     def with_config(self, config: TargetConfig) -> "Model":
         """The same weights under another config of the same shapes: a static switch that lives in the graphdef,
         such as a hybrid target's GDN tree mode (`gdn_mode`) or MLA's attention form (`absorb_max_tokens`)."""
-        tiled = any(isinstance(node, Tiled) for _, node in nnx.iter_graph(self.module))
-
-        def build():
-            module = self.family.module(config, dtype=self.dtype, rngs=nnx.Rngs(0))
-            return tile_linears(module, compact=False) if tiled else module  # the graphdef: tiles' dtypes aside
-
+        build = lambda: self.family.module(config, dtype=self.dtype, rngs=nnx.Rngs(0))  # noqa: E731
         return replace(self, config=config, graphdef=nnx.graphdef(nnx.eval_shape(build)))
 
     def on_mesh(self, mesh: Mesh) -> "Model":
         """The same model with its parameters sharded over `mesh` (jaxspec.make_mesh) by its family's rules."""
         layout = registry_layout(self.config, mesh)
-        graphdef, params = nnx.split(untile_linears(self.module))  # the rules split [in, out] kernels
-        return replace(self, graphdef=graphdef, params=layout.place_params(params), layout=layout)
+        params = layout.place_params(self.plain_params())  # the rules split plain [in, out] kernels
+        return replace(self, params=params, layout=layout, kernels=resolve(sharded=True))
 
     @staticmethod
-    def from_module(module: nnx.Module, tokenizer=None, source: str = "", layout: Layout | None = None) -> "Model":
+    def from_module(module: nnx.Module, tokenizer=None, source: str = "", layout: Layout | None = None,
+                    kernels: str = "auto") -> "Model":
+        """The handle for `module` as it is; its programs run on `kernels` ("auto" or "xla", `kernels.resolve`)."""
         graphdef, params = nnx.split(module)
-        return Model(module.config, graphdef, params, tokenizer, source, layout)
+        return Model(module.config, graphdef, params, tokenizer, source, layout,
+                     resolve(kernels, sharded=layout is not None))
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _causal_logits(graphdef, params, ids):
-    m = nnx.merge(graphdef, params)
-    B, T = ids.shape
-    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    logits, _, _ = m(ids, Segment.causal(pos), m.init_cache(B, T))
-    return logits
+def _causal_logits(jit_def: StaticDef, params, ids):
+    with use(jit_def.kernels):
+        m = nnx.merge(jit_def.graphdef, params)
+        B, T = ids.shape
+        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        logits, _, _ = m(ids, Segment.causal(pos), m.init_cache(B, T))
+        return logits
 
 
 def random_model(config: TargetConfig, *, seed: int = 0, dtype="float32", tokenizer=None, mesh: Mesh | None = None) -> Model:
@@ -144,7 +149,7 @@ def random_model(config: TargetConfig, *, seed: int = 0, dtype="float32", tokeni
 
 
 def load(path, dtype="float32", *, mesh: Mesh | None = None, tokenizer: bool = True,
-         quantize: str | None = None) -> Model:
+         quantize: str | None = None, kernels: str = "auto") -> Model:
     """Load a target from a HF directory (config.json + safetensors [+ index]), a .gguf file, or a directory
     converted by `python -m checkpoints_convert` (Orbax parameters).
 
@@ -155,8 +160,11 @@ def load(path, dtype="float32", *, mesh: Mesh | None = None, tokenizer: bool = T
     Q4_0 / Q4_1 / Q8_0 tensors as stored (other GGUF types load as float). A compressed-tensors INT4
     checkpoint (Kimi) keeps its packed weights as stored under any `quantize`, and dequantises them under
     None. A converted directory is restored as it was converted (`--quantize`, recorded beside its config);
-    any other `quantize` is refused. See jaxspec/models/quant.py."""
+    any other `quantize` is refused. See jaxspec/models/quant.py.
+    kernels: "auto" runs the fastest kernels this machine has (jaxspec.kernels: native ones on one CPU device,
+    with the weights in their layout), "xla" the pure-JAX reference forms everywhere."""
     quant.check_quantize(quantize)
+    backend = resolve(kernels, sharded=mesh is not None)
     path = Path(path)
     dt = parse_dtype(dtype)
     if not path.exists():
@@ -180,9 +188,8 @@ def load(path, dtype="float32", *, mesh: Mesh | None = None, tokenizer: bool = T
         tok = _tokenizer(path) if tokenizer else None
     else:
         raise ConfigError(f"{path} is neither a model directory nor a .gguf file")
-    if layout is None:  # on one CPU device the float kernels go into the kernel's column tiles
-        module = tile_linears(module)
-    return Model.from_module(module, tok, source=str(path), layout=layout)
+    graphdef, params = nnx.split(module)
+    return Model(module.config, graphdef, prepare(params, backend), tok, str(path), layout, backend)
 
 
 def read_source(path: Path, quantize: str | None) -> tuple[dict, Iterable, dict[str, quant.Scheme]]:
@@ -231,7 +238,7 @@ def quantize_model(model: Model, quantize: str) -> Model:
     quant.check_quantize(quantize)
     if quantize not in ("int8", "int4"):
         raise ValueError(f"quantize_model packs float weights: use 'int8' or 'int4', not {quantize!r}")
-    module = untile_linears(model.module)
+    module = nnx.merge(model.graphdef, model.plain_params())
     module = quant.pack_module(module, quant.linear_plan(module, quant.scheme_of(quantize)), fill=True)
     return Model.from_module(module, model.tokenizer, source=f"{model.source} ({quantize})")
 

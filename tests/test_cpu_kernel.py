@@ -11,12 +11,23 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxspec.models import cpu_kernel
+from jaxspec.kernels import cpu as cpu_kernel
 from jaxspec.models import quant
-from jaxspec.models.layers import Linear, Tiled, lm_logits, project, tile_linears, untile_linears
+from jaxspec.models.layers import Linear, lm_logits, project
 from jaxspec.sharding import make_mesh
 
 needs_kernel = pytest.mark.skipif(cpu_kernel.level() < 2, reason="no C++ compiler or no AVX-512")
+
+
+def tile_linears(module, compact=True):
+    """The CPU backend's layout for a module's Linear kernels, in place (as jaxspec.load keeps them)."""
+    nnx.update(module, cpu_kernel.to_layout(nnx.state(module), compact))
+    return module
+
+
+def untile_linears(module):
+    nnx.update(module, cpu_kernel.from_layout(nnx.state(module)))
+    return module
 
 
 def assert_product(got, x, w):
@@ -61,12 +72,13 @@ def test_builds_without_avx512(tmp_path, march, level):
     float64 product; everything else lowers to XLA's forms. With neither (baseline x86-64) nothing runs it and
     Linear kernels stay untiled. One notice each."""
     code = f"""
-from jaxspec.models import cpu_kernel
+from jaxspec.kernels import cpu as cpu_kernel
 cpu_kernel.FLAGS = tuple("-march={march}" if f == "-march=native" else f for f in cpu_kernel.FLAGS)
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
-from jaxspec.models.layers import Linear, tile_linears
-lin = tile_linears(nnx.List([Linear(64, 96, ("embed", "ffn"), rngs=nnx.Rngs(0))]))[0]
+from jaxspec.models.layers import Linear
+lin = Linear(64, 96, ("embed", "ffn"), rngs=nnx.Rngs(0))
+nnx.update(lin, cpu_kernel.to_layout(nnx.state(lin)))
 plain = jax.jit(lambda x: cpu_kernel.dense(x, jnp.ones((64, 96)))).lower(jnp.ones((3, 64))).as_text()
 worst, rng = 0.0, np.random.default_rng(0)
 for rows in (1, 2, 3, 9, 13):
@@ -77,13 +89,13 @@ for rows in (1, 2, 3, 9, 13):
         y = jax.jit(lambda x, t: cpu_kernel.dense_tiled(x, t, 130))(x, cpu_kernel.tile(w, dt))
         worst = max(worst, float(np.max(np.abs(np.asarray(y) - ref) / (np.abs(x) @ np.abs(np.asarray(w)) + 1e-30))))
 tiled = jax.jit(lambda x: cpu_kernel.dense_tiled(x, cpu_kernel.tile(jnp.ones((64, 96))), 96)).lower(jnp.ones((3, 64)))
-print(cpu_kernel.level(), cpu_kernel.DENSE in plain, cpu_kernel.DENSE in tiled.as_text(), type(lin.kernel).__name__,
+print(cpu_kernel.level(), cpu_kernel.DENSE in plain, cpu_kernel.DENSE in tiled.as_text(), type(lin.kernel[...]).__name__,
       worst < 1e-5)
 """
     env = {**os.environ, "JAXSPEC_CACHE_DIR": str(tmp_path)}
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.split() == [str(level), "False", str(level == 1), "Tiled" if level else "Param", "True"]
+    assert run.stdout.split() == [str(level), "False", str(level == 1), "Tiles" if level else "ArrayImpl", "True"]
     notices = [ln for ln in run.stderr.splitlines() if ln.startswith("jaxspec:")]
     assert len(notices) == 1 and "AVX-512" in notices[0], run.stderr
 
@@ -255,8 +267,8 @@ def test_tile_linears_round_trip():
     x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 3, 64)).astype(np.float32))
     ref = [lin(x) for lin in lins]
     tile_linears(model)
-    assert [type(lin.kernel) for lin in (model.a, model.b, model.c)] == [Tiled, Tiled, quant.Packed]
-    assert [lin.kernel.tiles.dtype for lin in lins] == [jnp.float32, jnp.bfloat16]
+    assert [type(lin.kernel[...]) for lin in lins] + [type(model.c.kernel)] == [cpu_kernel.Tiles] * 2 + [quant.Packed]
+    assert [lin.kernel[...].tiles.dtype for lin in lins] == [jnp.float32, jnp.bfloat16]
     assert all(lin.kernel.dtype == jnp.float32 for lin in lins)
     assert cpu_kernel.DENSE_MANY in hlo(lambda x: project(x, *lins), x)
     for y, lin, r, w in zip(project(x, *lins), lins, ref, before):
@@ -269,7 +281,7 @@ def test_tile_linears_round_trip():
         assert lin.kernel.dtype == jnp.float32
         np.testing.assert_array_equal(np.asarray(lin.kernel[...]), w)
     tile_linears(model, compact=False)
-    assert [lin.kernel.tiles.dtype for lin in lins] == [jnp.float32, jnp.float32]
+    assert [lin.kernel[...].tiles.dtype for lin in lins] == [jnp.float32, jnp.float32]
 
 
 @needs_kernel
@@ -287,7 +299,7 @@ def test_tiled_lm_head_over_a_draft_vocabulary():
         module.head = Linear(64, 300, ("embed", "vocab"), rngs=nnx.Rngs(0))
         module.head.kernel[...] = head.kernel[...]
         tile_linears(module, compact=compact)
-        assert module.head.kernel.tiles.dtype == (jnp.bfloat16 if compact else jnp.float32)
+        assert module.head.kernel[...].tiles.dtype == (jnp.bfloat16 if compact else jnp.float32)
         f = lambda h: lm_logits(h, None, module.head, vocab)  # noqa: E731
         assert_product(jax.jit(f)(h), h, w[:, np.asarray(vocab)])
         assert cpu_kernel.DENSE in hlo(f, h)

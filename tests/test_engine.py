@@ -16,7 +16,7 @@ from jaxspec.testing import oracle_drafter
 from test_lookup import lookup_reference
 from jaxspec.segment import Segment
 from jaxspec.tree import build_tree, tree_segment
-from jaxspec.models.layers import Tiled, tile_linears, untile_linears
+from jaxspec.kernels import cpu, plain
 
 TINY = {
     "llama": dict(model_type="llama", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -164,14 +164,14 @@ def test_tiled_kernels_in_the_loop():
     target decodes what the plain one does, and DDTree with a tiled drafter and with an oracle stays lossless."""
     plain = tiny_target("gemma3")
     ref = jaxspec.generate(plain, input_ids=PROMPT, method="ar", max_new_tokens=40).token_ids
-    tiled = jaxspec.Model.from_module(tile_linears(plain.module))
-    assert isinstance(tiled.module.layers[0].mlp.up_proj.kernel, Tiled)
+    tiled = dataclasses.replace(plain, params=cpu.to_layout(plain.params))
+    assert isinstance(tiled.module.layers[0].mlp.up_proj.kernel[...], cpu.Tiles)
     want = plain.logits([PROMPT + ref])  # greedy tokens alone would not see a small error in every product
     np.testing.assert_allclose(tiled.logits([PROMPT + ref]), want, rtol=0, atol=1e-5 * np.abs(want).max())
     assert jaxspec.generate(tiled, input_ids=PROMPT, method="ar", max_new_tokens=40).token_ids == ref
     random = jaxspec.init_drafter(tiled, num_layers=1, block_size=8)
-    random = jaxspec.Drafter.from_module(tile_linears(random.module))
-    assert isinstance(random.module.layers[0].mlp.up_proj.kernel, Tiled)
+    random = dataclasses.replace(random, params=cpu.to_layout(random.params))
+    assert isinstance(random.module.layers[0].mlp.up_proj.kernel[...], cpu.Tiles)
     for d in (random, oracle_drafter(tiled, PROMPT + ref, noise=0.3)):
         res = jaxspec.generate(tiled, input_ids=PROMPT, drafter=d, method="ddtree", budget=8, max_new_tokens=40)
         assert res.token_ids == ref
@@ -267,8 +267,8 @@ def test_drafter_save_load_roundtrip(tmp_path):
     d.save(tmp_path / "drafter")
     d2 = jaxspec.load_drafter(tmp_path / "drafter", m)
     assert d2.config == d.config
-    assert isinstance(d2.module.layers[0].mlp.up_proj.kernel, Tiled)  # loaded on a CPU: in the kernel's tiles
-    for a, b in zip(jax.tree.leaves(d.params), jax.tree.leaves(nnx.state(untile_linears(d2.module)))):
+    assert isinstance(d2.module.layers[0].mlp.up_proj.kernel[...], cpu.Tiles)  # loaded on a CPU: in the kernel's tiles
+    for a, b in zip(jax.tree.leaves(d.params), jax.tree.leaves(plain(d2.params))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     r1 = jaxspec.generate(m, input_ids=PROMPT, drafter=d, max_new_tokens=24)
     r2 = jaxspec.generate(m, input_ids=PROMPT, drafter=d2, max_new_tokens=24)
@@ -276,10 +276,10 @@ def test_drafter_save_load_roundtrip(tmp_path):
     # saved in bfloat16: loaded float32, its kernels tiled in bfloat16, drafting what float32 tiles of it draft
     d.save(tmp_path / "bf16", dtype="bfloat16")
     d3 = jaxspec.load_drafter(tmp_path / "bf16", m)
-    assert d3.module.layers[0].mlp.up_proj.kernel.tiles.dtype == jnp.bfloat16
+    assert d3.module.layers[0].mlp.up_proj.kernel[...].tiles.dtype == jnp.bfloat16
     assert d3.module.fc.kernel.dtype == jnp.float32  # the drafter computes in float32 (its cache, its outputs)
-    d4 = jaxspec.Drafter.from_module(tile_linears(untile_linears(d3.module), compact=False))
-    assert d4.module.layers[0].mlp.up_proj.kernel.tiles.dtype == jnp.float32
+    d4 = dataclasses.replace(d3, params=cpu.to_layout(plain(d3.params), compact=False))
+    assert d4.module.layers[0].mlp.up_proj.kernel[...].tiles.dtype == jnp.float32
     r3 = jaxspec.generate(m, input_ids=PROMPT, drafter=d3, max_new_tokens=24)
     r4 = jaxspec.generate(m, input_ids=PROMPT, drafter=d4, max_new_tokens=24)
     assert r3.token_ids == r1.token_ids

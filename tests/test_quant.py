@@ -13,7 +13,9 @@ import pytest
 
 import jaxspec
 from jaxspec.checkpoint.gguf import repack
-from jaxspec.models import cpu_kernel, quant
+from jaxspec.kernels import cpu as cpu_kernel
+from jaxspec.kernels import xla as xla_forms
+from jaxspec.models import quant
 from jaxspec.models.deepseek import deepseek_config_from_dict
 from jaxspec.testing import oracle_drafter
 
@@ -54,7 +56,7 @@ def test_packed_matmul_equals_dequantize_then_matmul(name, rows):
     np.testing.assert_allclose(np.asarray(quant.dequantize(*p.parts())), w, rtol=1e-6)
     x = np.random.default_rng(1).normal(size=(1, rows, 64)).astype(np.float32)
     assert_float_product(jax.jit(quant.matmul)(jnp.asarray(x), p)[0], x[0], w)
-    xla = jax.jit(lambda x: quant._matmul_xla(x, *p.parts()))  # the path without the CPU kernel (GPU, no compiler)
+    xla = jax.jit(lambda x: xla_forms.packed_matmul(x, *p.parts()))  # the path without the CPU kernel (GPU, no compiler)
     assert_float_product(xla(jnp.asarray(x))[0], x[0], w)
 
 
@@ -78,7 +80,7 @@ def test_cpu_kernel_builds_where_a_compiler_is():
 def test_cpu_kernel_without_a_compiler_says_so_once(tmp_path):
     """No compiler: one notice naming the problem and the fix, and the XLA forms run (available() is False)."""
     env = {**os.environ, "CXX": str(tmp_path / "no-such-c++"), "JAXSPEC_CACHE_DIR": str(tmp_path)}
-    code = "from jaxspec.models import cpu_kernel as k; print(k.available(), k.available())"
+    code = "from jaxspec.kernels import cpu as k; print(k.available(), k.available())"
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.stdout.strip() == "False False", r.stderr
     notice = [ln for ln in r.stderr.splitlines() if ln.startswith("jaxspec:")]
@@ -89,7 +91,7 @@ def test_cpu_kernel_without_a_cache_directory_says_so(tmp_path):
     """A cache directory that cannot be made: the notice names it and its fix, not the compiler."""
     (tmp_path / "file").write_text("")
     env = {**os.environ, "JAXSPEC_CACHE_DIR": str(tmp_path / "file" / "cache")}
-    code = "from jaxspec.models import cpu_kernel as k; print(k.available())"
+    code = "from jaxspec.kernels import cpu as k; print(k.available())"
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.stdout.strip() == "False", r.stderr
     notice = [ln for ln in r.stderr.splitlines() if ln.startswith("jaxspec:")]
@@ -126,7 +128,7 @@ def test_decode_loop_keeps_the_dequantisation_inside():
     """XLA's path (no CPU kernel): in a while loop the packed weight is loop-invariant; its int8 -> float
     conversion must not be hoisted out (that materialises the float weight once and runs a slower loop inside)."""
     p, _, _ = packed_weight(SCHEMES["int8-g32"], out=128, cols=128)
-    step = lambda i, x: x + quant._matmul_xla(x, *p.parts())  # noqa: E731
+    step = lambda i, x: x + xla_forms.packed_matmul(x, *p.parts())  # noqa: E731
     hlo = jax.jit(lambda x: jax.lax.fori_loop(0, 4, step, x)).lower(jnp.ones((1, 1, 128))).compile().as_text()
     assert "while" in hlo
     assert not re.search(r"= f32\[128,128\]", unfused_instructions(hlo))

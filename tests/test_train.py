@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec.models import cpu_kernel
+from jaxspec.kernels import cpu as cpu_kernel
 from jaxspec.segment import Segment
 from jaxspec.train.data import Dataset, compute_taps, frequent_tokens
 from jaxspec.train.trainer import TrainConfig, block_loss, train

@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxspec.checkpoint.core import WeightsError
 from jaxspec.checkpoint.fp8 import dequantize_fp8_blocks, fp8_block_size
-from jaxspec.models.quant import PackedTensor, Scheme, pack_nibbles
+from jaxspec.checkpoint.packed import PackedTensor, Scheme, pack_nibbles
 
 _PARTS = ("weight_packed", "weight_scale", "weight_shape")
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.models.quant import PackedTensor
+from jaxspec.checkpoint.packed import PackedTensor
 
 
 class WeightsError(ValueError):

@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Mapping
 import numpy as np
 
 from jaxspec.checkpoint.core import WeightsError
-from jaxspec.models.quant import PackedTensor, Scheme
+from jaxspec.checkpoint.packed import PackedTensor, Scheme
 
 # llama.cpp tensor name (without .weight/.bias) -> HF name; None: not a parameter
 _TOP_NAMES = {

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Sharding
 
 from jaxspec.checkpoint.core import WeightsError
-from jaxspec.models.quant import Scheme
+from jaxspec.checkpoint.packed import Scheme
 
 PARAMS_DIR = "params"
 PACKING_FILE = "packing.json"

@@ -8,20 +8,17 @@ own context and block.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxspec import kernels
 from jaxspec.cache import KVEntry
 from jaxspec.config import RopeConfig
-from jaxspec.models import cpu_kernel
+from jaxspec.kernels.xla import NEG_INF
 from jaxspec.models.layers import Linear, RMSNorm, apply_rope, project, rope_inv_freq
-
-NEG_INF = -1e30  # finite, so fully masked padding rows give a uniform softmax instead of NaN
-
 
 @dataclass(frozen=True)
 class AttentionSpec:
@@ -73,9 +70,8 @@ def attend(q, k, v, mask, scale, softcap=None):
     """Softmax attention in float32. q: [B, N, H, D]; k, v: [B, KVH, T, D]; mask: [B, N, T] -> [B, N, H, D].
 
     Each KV head's query group is laid out as one [G * N, D] matrix first, so both products are plain batched
-    matmuls over (row, KV head); XLA:CPU runs the 5-d einsum over (g, n) several times slower (3.6x at AR
-    batch 64, 2.6x for a 33-node verify on this machine). k and v are used as stored: a reshape of the
-    freshly written cache makes XLA copy it every step."""
+    matmuls over (row, KV head); XLA:CPU runs the 5-d einsum over (g, n) several times slower. k and v are
+    used as stored: a reshape of the freshly written cache makes XLA copy it every step."""
     B, N, H, D = q.shape
     KVH, T = k.shape[1], k.shape[2]
     G = H // KVH
@@ -95,11 +91,10 @@ def attend_and_write(q, entry: KVEntry, k_new, v_new, length, mask, scale, softc
     written cache: the new keys' columns are length .. length + N - 1), and the entry with them written.
 
     Why not write first and attend over the written buffer: XLA:CPU then duplicates the write into the
-    attention's operand fusion and copies every cache buffer several times a step (measured: 4 full copies of
-    each of SmolLM2's 60 buffers per token, ~10% of a packed decode step). Here the attention reads the cache
-    as it was (slots < length) and the new keys beside it, and the write is made to depend on the attention's
-    output, so XLA sees the read happen first and updates the buffer in place: no copies. On a CPU the
-    attention itself runs `cpu_kernel.cache_attention` for decode and verify forwards (few new tokens)."""
+    attention's operand fusion and copies every cache buffer several times a step. Here the attention reads
+    the cache as it was (slots < length) and the new keys beside it (`kernels.cache_attention`), and the write
+    is made to depend on the attention's output, so XLA sees the read happen first and updates the buffer in
+    place: no copies."""
     o = attend_cache(q, entry.k, entry.v, k_new, v_new, length, mask, scale, softcap)
     after = (o[0, 0, 0, 0] * 0).astype(k_new.dtype)  # 0 (NaN only if o is): a data dependence on the read
     return o, entry.write(k_new + after, v_new + after, length)
@@ -107,31 +102,9 @@ def attend_and_write(q, entry: KVEntry, k_new, v_new, length, mask, scale, softc
 
 def attend_cache(q, k_old, v_old, k_new, v_new, length, mask, scale, softcap=None):
     """q [B, N, H, D] over the committed slots of k_old, v_old [B, KVH, T, D] (slots < length where mask) and
-    k_new, v_new [B, N, KVH, D] (new key i where mask[..., length + i]) -> [B, N, H, D]; on a CPU the native
-    kernel, which reads only the committed slots, else XLA's batched products over the whole buffer."""
-    xla = functools.partial(_attend_cache, scale=scale, softcap=softcap)
-    return cpu_kernel.cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale, softcap, xla)
-
-
-def _attend_cache(q, k_old, v_old, k_new, v_new, length, mask, scale, softcap=None):
-    """attend_and_write's attention in XLA's batched products (the kernel's reference): [B, N, H, D]."""
-    B, N, H, D = q.shape
-    KVH, T = k_old.shape[1], k_old.shape[2]
-    G = H // KVH
-    qg = q.reshape(B, N, KVH, G, D).transpose(0, 2, 3, 1, 4).reshape(B, KVH, G * N, D)
-    kn, vn = k_new.transpose(0, 2, 1, 3).astype(k_old.dtype), v_new.transpose(0, 2, 1, 3).astype(v_old.dtype)
-    s = jnp.concatenate([jnp.einsum("bkqd,bktd->bkqt", qg, k_old, preferred_element_type=jnp.float32),
-                         jnp.einsum("bkqd,bktd->bkqt", qg, kn, preferred_element_type=jnp.float32)], -1) * scale
-    s = s.reshape(B, KVH, G, N, T + N)
-    if softcap:
-        s = softcap * jnp.tanh(s / softcap)
-    old = mask & (jnp.arange(T) < length)[None, None, :]
-    new = jax.lax.dynamic_slice_in_dim(mask, length, N, axis=2)
-    s = jnp.where(jnp.concatenate([old, new], -1)[:, None, None], s, NEG_INF)
-    p = jax.nn.softmax(s, axis=-1).astype(v_old.dtype).reshape(B, KVH, G * N, T + N)
-    o = (jnp.einsum("bkqt,bktd->bkqd", p[..., :T], v_old, preferred_element_type=jnp.float32)
-         + jnp.einsum("bkqt,bktd->bkqd", p[..., T:], vn, preferred_element_type=jnp.float32))
-    return o.reshape(B, KVH, G, N, D).transpose(0, 3, 1, 2, 4).reshape(B, N, H, D).astype(q.dtype)
+    k_new, v_new [B, N, KVH, D] (new key i where mask[..., length + i]) -> [B, N, H, D]
+    (`kernels.cache_attention`)."""
+    return kernels.cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale, softcap)
 
 
 class Attention(nnx.Module):

@@ -1,66 +1,35 @@
-"""Shared building blocks: RMSNorm variants, RoPE variants, gated MLP.
+"""Shared building blocks: Linear, RMSNorm variants, RoPE variants, gated MLP, the LM head.
 
 Math follows the Hugging Face implementations exactly (see ../shared/reference/architectures.md §1):
-norms and softmax run in float32 whatever the parameter dtype.
-
-Every parameter is created through `param`, which records its logical axis names (vocab, embed, q_heads,
-kv_heads, head_dim, ffn, ...) as Flax sharding metadata: `nnx.get_partition_spec(state)` reads them back,
-and sharding maps them to mesh axes with one rules table per family. Nothing is sharded at creation.
+norms and softmax run in float32 whatever the parameter dtype. Products go through the kernel seam
+(`jaxspec.kernels`), which picks the backend that runs them; parameters are created with logical axis names
+(`axes.param`).
 """
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxspec import kernels
 from jaxspec.config import RopeConfig
-from jaxspec.models import cpu_kernel, quant
-
-
-def param(value: jax.Array, axes: tuple[str, ...]) -> nnx.Param:
-    """A parameter with logical axis names, one per dimension (metadata only: no sharding happens here)."""
-    assert len(axes) == value.ndim, (axes, value.shape)
-    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
-
-
-class Tiled(nnx.Module):
-    """A float32 kernel [in, out] kept in column tiles [ceil(out / 48), in, 48] (`cpu_kernel.tile`), the layout
-    the CPU kernel streams at memory speed: on the 2-core VM a decode step runs about 1.3x faster, and a
-    9-node tree verify's products cost about what one row's do. `tile_linears` swaps it in where that kernel runs
-    (`jaxspec.load` on one CPU device) and `untile_linears` swaps it back (sharding, quantising, saving).
-    The tiles hold bfloat16 when every value of the kernel is one (`compact`): the same products from half the
-    bytes."""
-
-    def __init__(self, kernel: nnx.Param, compact: bool = False):
-        in_axis, out_axis = kernel.out_sharding
-        self.out = int(kernel.shape[1])  # static: the graphdef carries it
-        self.tiles = param(cpu_kernel.tile(kernel[...], jnp.bfloat16 if compact else None), (out_axis, in_axis, None))
-
-    @property
-    def dtype(self):
-        """The kernel's dtype (float32), whatever the tiles are stored in."""
-        return jnp.dtype(jnp.float32)
-
-    def weight(self) -> jax.Array:
-        """The kernel [in, out], float32."""
-        return cpu_kernel.untile(self.tiles[...], self.out)
-
-    def kernel(self) -> nnx.Param:
-        """The [in, out] parameter this was made from."""
-        out_axis, in_axis, _ = self.tiles.out_sharding
-        return param(self.weight(), (in_axis, out_axis))
+from jaxspec.models import quant
+from jaxspec.models.axes import param
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias); kernel is [in, out] (HF stores [out, in]: the loader transposes; on a CPU, a
-    product of a few rows runs `cpu_kernel.dense`), the same in column tiles (`Tiled`, how `jaxspec.load` keeps
-    it on a CPU), or a `quant.Packed` weight [out, in] (int8 / int4 codes + group scales), whose dequantisation
-    is fused into the matmul (`quant.pack_module` swaps it in; see jaxspec/models/quant.py).
+    """y = x @ kernel (+ bias); kernel is [in, out] (HF stores [out, in]: the loader transposes), held as a
+    float array (in the kernel backend's layout where it has one: `kernels.prepare`) or as a `quant.Packed`
+    weight [out, in] (int8 / int4 codes + group scales, read packed by the product; `quant.pack_module`
+    swaps it in).
 
     axes: logical names of (in, out), e.g. ("embed", "q_heads")."""
+
+    packable: ClassVar[tuple[str, ...]] = ("kernel",)  # what quant.linear_plan may pack
 
     def __init__(self, d_in: int, d_out: int, axes: tuple[str, str], *, bias: bool = False, dtype=jnp.float32,
                  rngs: nnx.Rngs):
@@ -69,12 +38,7 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         k = self.kernel
-        if isinstance(k, quant.Packed):
-            y = quant.matmul(x, k)
-        elif isinstance(k, Tiled):
-            y = cpu_kernel.dense_tiled(x, k.tiles[...], k.out)
-        else:
-            y = cpu_kernel.dense(x, k[...])
+        y = quant.matmul(x, k) if isinstance(k, quant.Packed) else kernels.dense(x, k[...])
         return y + self.bias[...] if self.bias is not None else y
 
     def weight(self) -> jax.Array:
@@ -82,40 +46,17 @@ class Linear(nnx.Module):
         k = self.kernel
         if isinstance(k, quant.Packed):
             return quant.as_float(k).T
-        return k.weight() if isinstance(k, Tiled) else k[...]
+        w = k[...]
+        return w if isinstance(w, jax.Array) else w.weight()  # a backend layout gives its array back
 
 
 def project(x: jax.Array, *linears: Linear) -> list[jax.Array]:
-    """[lin(x) for lin in linears]: on a CPU, float weights go through one kernel call together
-    (`cpu_kernel.dense_many`, or `dense_many_tiled` for tiled kernels) where each would run the kernel alone."""
-    kernels = [lin.kernel for lin in linears]
-    if all(isinstance(k, Tiled) for k in kernels):
-        ys = cpu_kernel.dense_many_tiled(x, [k.tiles[...] for k in kernels], [k.out for k in kernels])
-    elif any(isinstance(k, (quant.Packed, Tiled)) for k in kernels):
+    """[lin(x) for lin in linears], float weights in one call together (`kernels.dense_many`) where the backend
+    runs each alone otherwise; packed weights each alone."""
+    if any(isinstance(lin.kernel, quant.Packed) for lin in linears):
         return [lin(x) for lin in linears]
-    else:
-        ys = cpu_kernel.dense_many(x, [k[...] for k in kernels])
+    ys = kernels.dense_many(x, [lin.kernel[...] for lin in linears])
     return [y + lin.bias[...] if lin.bias is not None else y for y, lin in zip(ys, linears)]
-
-
-def tile_linears(module: nnx.Module, compact: bool = True) -> nnx.Module:
-    """Every float32 Linear kernel of `module` into column tiles (`Tiled`), in place; returns the module.
-    Only where the CPU kernel runs (one CPU device, the kernel built): elsewhere the module is left as it is.
-    compact: tiles in bfloat16 for kernels whose every value is one (a bfloat16 checkpoint loaded in float32,
-    such as a drafter saved in bfloat16), which needs concrete values (not under `nnx.eval_shape`)."""
-    if cpu_kernel.usable(tiles=True):
-        for _, node in list(nnx.iter_graph(module)):
-            if isinstance(node, Linear) and isinstance(node.kernel, nnx.Param) and node.kernel.dtype == jnp.float32:
-                node.kernel = Tiled(node.kernel, compact and cpu_kernel.bf16_exact(node.kernel[...]))
-    return module
-
-
-def untile_linears(module: nnx.Module) -> nnx.Module:
-    """`tile_linears`' inverse, in place (kernels [in, out] again); returns the module."""
-    for _, node in list(nnx.iter_graph(module)):
-        if isinstance(node, Linear) and isinstance(node.kernel, Tiled):
-            node.kernel = node.kernel.kernel()
-    return module
 
 
 def embed_rows(table, tokens: jax.Array) -> jax.Array:
@@ -164,19 +105,9 @@ def lm_logits(h: jax.Array, embed_tokens, lm_head: "Linear | None", vocab: jax.A
     only (a drafter's draft vocabulary). A packed head is [V, H] either way: the rows of the vocabulary."""
     W = embed_tokens if lm_head is None else lm_head.kernel
     if isinstance(W, quant.Packed):
-        if vocab is None:
-            return quant.matmul(h, W).astype(jnp.float32)
-        rows = [None if a is None else jnp.take(a, vocab, axis=0) for a in W.parts()]  # still packed
-        return quant.matmul_parts(h, *rows).astype(jnp.float32)
-    if lm_head is None:
-        return cpu_kernel.dense(h, W[...], nk=True, rows=vocab, preferred_element_type=jnp.float32)
-    if isinstance(W, Tiled):  # a float32 kernel (its tiles float32 or bfloat16)
-        if vocab is None:
-            return cpu_kernel.dense_tiled(h, W.tiles[...], W.out)
-        cols = W.tiles[...][vocab // cpu_kernel.TILE, :, vocab % cpu_kernel.TILE]  # [K, H]: those columns' weights
-        return cpu_kernel.dense(h, cols.astype(jnp.float32), nk=True)
-    W = W[...] if vocab is None else jnp.take(W[...], vocab, axis=1)
-    return cpu_kernel.dense(h, W, preferred_element_type=jnp.float32)
+        parts = W.parts() if vocab is None else [None if a is None else jnp.take(a, vocab, axis=0) for a in W.parts()]
+        return kernels.packed_matmul(h, *parts).astype(jnp.float32)  # rows taken still packed
+    return kernels.dense(h, W[...], transposed=lm_head is None, select=vocab, out_dtype=jnp.float32)
 
 
 def finish(model, x: jax.Array, tapped: dict, tap_layers, logits_idx) -> tuple[jax.Array, jax.Array | None]:

@@ -28,6 +28,8 @@ gather time / ragged time): 1 token (8 pairs) 0.14, 4 tokens 0.40, 8 tokens (64 
 """
 from __future__ import annotations
 
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -137,6 +139,8 @@ def expert_weights(p, idx=None) -> jax.Array:
 class Experts(nnx.Module):
     """`mlp.experts`: every routed expert's gate/up [E, H, I] and down [E, I, H] projections, stacked (or each
     packed by `quant.pack_module`: codes [E, out, in])."""
+
+    packable: ClassVar[tuple[str, ...]] = ("gate_proj", "up_proj", "down_proj")  # what quant.linear_plan may pack
 
     def __init__(self, num_experts: int, hidden: int, d_ff: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
         E, H, I = num_experts, hidden, d_ff

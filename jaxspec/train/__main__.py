@@ -233,8 +233,10 @@ def load_start(args, model, taps_ids):
     """The --init drafter, checked against the shape this run's flags build: a run that goes on training an
     exported drafter on new data (where a CPU cannot afford the taps of all the data at once)."""
     import jaxspec
+    from flax import nnx
+
     from jaxspec.drafter import Drafter
-    from jaxspec.models.layers import untile_linears
+    from jaxspec.kernels import plain
 
     start = jaxspec.load_drafter(args.init, model)  # missing, corrupt or made for another target: a clear error
     c = start.config
@@ -246,7 +248,7 @@ def load_start(args, model, taps_ids):
         raise ValueError(f"--init {args.init} reads target layers {list(c.target_layer_ids)}, not the "
                          f"{list(taps_ids)} this run taps; pass --tap-layers "
                          f"{','.join(map(str, c.target_layer_ids))} or train from scratch")
-    return Drafter.from_module(untile_linears(start.module), model)  # training updates [in, out] kernels
+    return Drafter.from_module(nnx.merge(start.graphdef, plain(start.params)), model)  # plain [in, out] kernels
 
 
 def read_tap_layers(args, model) -> tuple[int, ...]:
