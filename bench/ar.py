@@ -37,8 +37,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxspec  # noqa: E402
-from jaxspec.api import encode_prompt  # noqa: E402
-from jaxspec.generate import bundled_model  # noqa: E402
+from jaxspec.cli import bundled_model  # noqa: E402
+from jaxspec.model import encode_prompt  # noqa: E402
 
 PROMPTS = [
     "Describe Paris: its history, its landmarks and its food.",

@@ -19,9 +19,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jaxspec  # noqa: E402
-from jaxspec.api import encode_prompt  # noqa: E402
 from jaxspec.batching import generate_many  # noqa: E402
-from jaxspec.generate import bundled_model  # noqa: E402
+from jaxspec.cli import bundled_model  # noqa: E402
+from jaxspec.model import encode_prompt  # noqa: E402
 from jaxspec.train.data import read_prompts  # noqa: E402
 
 
@@ -55,9 +55,10 @@ def main(argv=None) -> None:
             seconds = time.perf_counter() - t
             tokens = sum(map(len, out))
             answers[mode] = out
-            rows.append(dict(batch=B, mode=mode, seconds=seconds, answer_tokens=tokens, tokens_per_second=tokens / seconds))
-            print(f"batch {B:>4} {mode:>10}: {tokens / seconds:7.1f} tok/s  ({tokens} answer tokens in {seconds:.0f} s)",
-                  flush=True)
+            rows.append(dict(batch=B, mode=mode, seconds=seconds, answer_tokens=tokens,
+                             tokens_per_second=tokens / seconds))
+            print(f"batch {B:>4} {mode:>10}: {tokens / seconds:7.1f} tok/s  "
+                  f"({tokens} answer tokens in {seconds:.0f} s)", flush=True)
         if len(answers) == 2:
             a, b = answers.values()
             same = sum(x == y[: len(x)] or y == x[: len(y)] for x, y in zip(a, b))

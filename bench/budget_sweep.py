@@ -31,8 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jaxspec  # noqa: E402
-from jaxspec.api import encode_prompt  # noqa: E402
-from jaxspec.model import Model  # noqa: E402
+from jaxspec.model import Model, encode_prompt  # noqa: E402
 from jaxspec.models.qwen3_next import hybrid_config_from_dict  # noqa: E402
 from jaxspec.testing import oracle_drafter  # noqa: E402
 from jaxspec.train.data import read_prompts  # noqa: E402
@@ -97,7 +96,8 @@ def main(argv=None):
         pair = Path(args.pair)
         model = jaxspec.load(pair / "target")
         drafter = jaxspec.load_drafter(pair / "drafter", model)
-        inputs = [encode_prompt(model, p, None) for p in read_prompts(pair / "target" / "heldout.jsonl")[: args.prompts]]
+        prompts = read_prompts(pair / "target" / "heldout.jsonl")[: args.prompts]
+        inputs = [encode_prompt(model, p, None) for p in prompts]
     else:
         model, drafter = random_target(), None
         rng = np.random.RandomState(0)
@@ -125,17 +125,20 @@ def main(argv=None):
                 res = jaxspec.generate(models[mode], input_ids=ids, drafter=d, method="ddtree", budget=budget,
                                        max_new_tokens=args.new)
                 runs.append(dict(acceptance_length=res.stats["acceptance_length"],
-                                 tokens_per_second=res.stats["tokens_per_second"], lossless=res.token_ids == ref.token_ids))
+                                 tokens_per_second=res.stats["tokens_per_second"],
+                                 lossless=res.token_ids == ref.token_ids))
             tps = statistics.mean(r["tokens_per_second"] for r in runs)
             row[mode] = dict(acceptance_length=round(statistics.mean(r["acceptance_length"] for r in runs), 3),
                              tokens_per_second=round(tps, 2), speedup=round(tps / ar_tps, 3),
                              lossless=all(r["lossless"] for r in runs), per_prompt=runs)
-        c = component_times(model, drafters[0], budget, "ddtree", lookup=True, reps=args.verify_reps)  # as generate runs
+        # as generate runs
+        c = component_times(model, drafters[0], budget, "ddtree", lookup=True, reps=args.verify_reps)
         row["verify_over_ar_step"] = round(c["verify_s"] / c["ar_step_s"], 3)
         row["components_s"] = c
         rows.append(row)
         e, lk = row["exact"], row["leaky"]
-        print(f"{budget:>6} {row['verify_over_ar_step']:>9.2f} | {e['acceptance_length']:>8.2f} {e['tokens_per_second']:>7.1f} "
+        print(f"{budget:>6} {row['verify_over_ar_step']:>9.2f} | "
+              f"{e['acceptance_length']:>8.2f} {e['tokens_per_second']:>7.1f} "
               f"{e['speedup']:>5.2f}x {str(e['lossless']):>8} | {lk['acceptance_length']:>8.2f} "
               f"{lk['tokens_per_second']:>7.1f} {lk['speedup']:>5.2f}x {str(lk['lossless']):>8}", flush=True)
 

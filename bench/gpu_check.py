@@ -131,7 +131,8 @@ def end_to_end(m, clock: Clock, new_tokens: int) -> dict:
     r = jaxspec.generate(m, input_ids=prompt, drafter=d, method="ddtree", budget=64, max_new_tokens=new_tokens)
     assert r.token_ids == ar.token_ids, "DDTree output differs from AR"
     return dict(out, ddtree_tokens_per_s=r.stats["tokens_per_second"], acceptance_length=r.stats["acceptance_length"],
-                rounds_per_s=r.stats["rounds"] / r.stats["decode_s"], speedup=r.stats["tokens_per_second"] / out["ar_tokens_per_s"])
+                rounds_per_s=r.stats["rounds"] / r.stats["decode_s"],
+                speedup=r.stats["tokens_per_second"] / out["ar_tokens_per_s"])
 
 
 def section(report: dict, name: str, clock: Clock, need_s: float, f, *args):
@@ -166,8 +167,10 @@ def main():
         section(report, f"{name}/forwards", clock, 60, forwards, m, clock)
         section(report, f"{name}/generate", clock, 120, end_to_end, m, clock, args.new_tokens)
         del m
-    bw = report["bandwidth"]["gb_per_s"] if isinstance(report.get("bandwidth"), dict) and "gb_per_s" in report["bandwidth"] else None
-    print("\n| target | weights GB | AR step ms | roofline ms | verify/AR @16/32/64/128 | AR tok/s | DDTree tok/s | AL |")
+    measured = report.get("bandwidth")
+    bw = measured["gb_per_s"] if isinstance(measured, dict) and "gb_per_s" in measured else None
+    print("\n| target | weights GB | AR step ms | roofline ms | verify/AR @16/32/64/128 | AR tok/s | DDTree tok/s "
+          "| AL |")
     print("|---|---|---|---|---|---|---|---|")
     for name in ("qwen3.6-27b", "llama-8b"):
         f, g = report.get(f"{name}/forwards"), report.get(f"{name}/generate")

@@ -26,7 +26,7 @@ import jax  # noqa: E402
 
 import jaxspec  # noqa: E402
 from bench.ar import PROMPTS, copy_bandwidth  # noqa: E402
-from jaxspec.generate import BUNDLED_DRAFTER, bundled_model  # noqa: E402
+from jaxspec.cli import BUNDLED_DRAFTER, bundled_model  # noqa: E402
 from jaxspec.models.quant import packed_bytes  # noqa: E402
 
 NEW_TOKENS, RUNS, N_PROMPTS = 64, 3, 2
@@ -68,7 +68,8 @@ def main() -> None:
           f"{'DDTree tok/s':>14}{'acc len':>9}{'= AR':>6}")
     for name, r in rows.items():
         print(f"{name:<9}{r['bytes_per_token'] / 1e6:>9.0f}{r['ar_tokens_per_s']:>10.1f}"
-              f"{r['ar_tokens_per_s'] / base:>7.2f}x{r['roofline_tokens_per_s']:>10.1f}{r['fraction_of_roofline']:>9.0%}"
+              f"{r['ar_tokens_per_s'] / base:>7.2f}x{r['roofline_tokens_per_s']:>10.1f}"
+              f"{r['fraction_of_roofline']:>9.0%}"
               f"{r['ddtree_tokens_per_s']:>14.1f}{r['acceptance_length']:>9.2f}{str(r['ddtree_equals_ar']):>6}")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "quant_latest.json").write_text(json.dumps(dict(

@@ -33,13 +33,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jaxspec  # noqa: E402
-from jaxspec.generate import bundled_model  # noqa: E402
+from jaxspec.cli import bundled_model  # noqa: E402
 from jaxspec.train.data import Dataset  # noqa: E402
 from jaxspec.tree import build_tree  # noqa: E402
 
 
 def draft_blocks(model, drafter, data: Dataset, taps, i: int, anchors: np.ndarray):
-    """Draft-vocabulary logits of slots 1..B-1 [A, B-1, V'] for blocks [x_a, MASK...] of row i, and x_{a..a+B-1} [A, B]."""
+    """Draft-vocabulary logits of slots 1..B-1 [A, B-1, V'] for blocks [x_a, MASK...] of row i, and
+    x_{a..a+B-1} [A, B]."""
     d, t, Bk = drafter.module, model.module, drafter.config.block_size
     S = data.tokens.shape[1]
     labels = data.tokens[i][np.minimum(anchors[:, None] + np.arange(Bk), S - 1)]
@@ -105,7 +106,8 @@ def simulated_acceptance(model, drafter, data, taps, rows, anchors, budgets, tem
     S = data.tokens.shape[1]
     total, n = np.zeros((len(temperatures), len(budgets))), 0
     for i in rows:
-        cand = np.flatnonzero(data.loss_mask[i, 1:] & (np.arange(S - 1) + Bk - 1 < data.lengths[i]))  # a + B-1 in the row
+        # a + B-1 in the row
+        cand = np.flatnonzero(data.loss_mask[i, 1:] & (np.arange(S - 1) + Bk - 1 < data.lengths[i]))
         if not len(cand):
             continue
         a = np.sort(rng.choice(cand, size=min(anchors, len(cand)), replace=False))
@@ -133,7 +135,8 @@ def main():
     drafter = jaxspec.load_drafter(args.drafter, model)
     work = Path(args.work)
     if json.loads((work / "taps.json").read_text()) != list(drafter.config.target_layer_ids):
-        sys.exit(f"error: {work} caches taps of other layers than the drafter's {list(drafter.config.target_layer_ids)}")
+        sys.exit(f"error: {work} caches taps of other layers than the drafter's "
+                 f"{list(drafter.config.target_layer_ids)}")
     data = Dataset.load(work / "data.npz")
     taps = np.load(work / "taps.npy", mmap_mode="r")
     top1 = None
@@ -142,11 +145,13 @@ def main():
             budgets = [int(b) for b in args.budgets.split(",")]
             temps = [float(x) for x in args.temperatures.split(",")]
         except ValueError:
-            sys.exit(f"error: --budgets takes integers and --temperatures numbers, comma-separated (got {args.budgets!r}, {args.temperatures!r})")
+            sys.exit("error: --budgets takes integers and --temperatures numbers, comma-separated "
+                     f"(got {args.budgets!r}, {args.temperatures!r})")
         if min(budgets) < 1 or min(temps) <= 0:
             sys.exit("error: budgets must be >= 1 and temperatures > 0")
         if not (work / "soft.npz").exists():
-            sys.exit(f"error: --budgets needs {work}/soft.npz (the target's top tokens); use a cache made with --soft-weight")
+            sys.exit(f"error: --budgets needs {work}/soft.npz (the target's top tokens); "
+                     "use a cache made with --soft-weight")
         with np.load(work / "soft.npz") as z:
             top1 = z["ids"][..., 0]
     rng = np.random.default_rng(0)
@@ -160,8 +165,8 @@ def main():
             greedy = greedy_rows(data, top1, range(lo, hi))
             pick = rng.choice(greedy, size=min(args.samples, len(greedy)), replace=False) if greedy else []
             al = simulated_acceptance(model, drafter, data, taps, pick, args.anchors, budgets, temps, rng)
-            print(f"{name}: {len(greedy)} greedy rows, {len(pick)} drawn; simulated DDTree acceptance length at budgets "
-                  f"{args.budgets}:")
+            print(f"{name}: {len(greedy)} greedy rows, {len(pick)} drawn; "
+                  f"simulated DDTree acceptance length at budgets {args.budgets}:")
             for T, row in zip(temps, al):
                 print(f"  temperature {T:g}: " + " ".join(f"{x:.3f}" for x in row), flush=True)
 

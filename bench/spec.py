@@ -35,9 +35,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import jaxspec  # noqa: E402
 from jaxspec import engine  # noqa: E402
-from jaxspec.api import encode_prompt  # noqa: E402
 from jaxspec.budget import timeit  # noqa: E402
 from jaxspec.config import dense_config_from_dict  # noqa: E402
+from jaxspec.model import encode_prompt  # noqa: E402
 from jaxspec.sampling import SamplingParams  # noqa: E402
 from jaxspec.segment import Segment  # noqa: E402
 from jaxspec.testing import oracle_drafter  # noqa: E402
@@ -155,7 +155,8 @@ def main(argv=None):
             r = jaxspec.generate(model, **inp, drafter=drafter, method=method, budget=budget,
                                  max_new_tokens=args.max_new_tokens, lookup=lookup)
         assert r.token_ids == ar.token_ids, f"{name} differs from AR greedy"
-        return dict(tps=r.stats["tokens_per_second"], speedup=r.stats["tokens_per_second"] / ar.stats["tokens_per_second"],
+        return dict(tps=r.stats["tokens_per_second"],
+                    speedup=r.stats["tokens_per_second"] / ar.stats["tokens_per_second"],
                     al=r.stats["acceptance_length"], n=r.stats["new_tokens"], budget=r.stats["budget"],
                     per_depth=r.stats["per_depth_acceptance"])
 
@@ -173,9 +174,9 @@ def main(argv=None):
     if args.save_acceptance:
         table = {str(b): statistics.mean(r["al"] for r in rows[f"ddtree@{b}"]) for b in budgets}
         (Path(args.drafter) / "acceptance.json").write_text(json.dumps(dict(
-            acceptance_length=table, measured=dict(prompts=f"heldout[:{len(inputs)}]", max_new_tokens=args.max_new_tokens,
-                                                   greedy=True, lookup=args.lookup != "off",
-                                                   date=datetime.date.today().isoformat())), indent=2) + "\n")
+            acceptance_length=table,
+            measured=dict(prompts=f"heldout[:{len(inputs)}]", max_new_tokens=args.max_new_tokens, greedy=True,
+                          lookup=args.lookup != "off", date=datetime.date.today().isoformat())), indent=2) + "\n")
         print(f"wrote {Path(args.drafter) / 'acceptance.json'}")
     for inp, ar in zip(inputs, ars):  # AR again just before: this VM's speed drifts over a run's 15 minutes
         again = jaxspec.generate(model, **inp, method="ar", max_new_tokens=args.max_new_tokens)
@@ -237,9 +238,10 @@ def main(argv=None):
 
 def transformers_reference(model, gguf, inputs, max_new_tokens):
     """transformers `generate` decode tokens/s on the same GGUF and prompts (bench/ar.py's method, 1 run)."""
-    import ar
     import torch
     import transformers
+
+    import ar
 
     torch.set_num_threads(2)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(Path(gguf).parent), gguf_file=Path(gguf).name,

@@ -8,6 +8,10 @@ import logging
 import signal
 import sys
 
+from checkpoints_convert.convert import ConvertError, convert
+from jaxspec.checkpoint import WeightsError
+from jaxspec.config import ConfigError
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m checkpoints_convert", description=__doc__.split(":")[0])
@@ -23,10 +27,6 @@ def main(argv=None) -> int:
     # SIGTERM unwinds like Ctrl-C, so the temporary folder is removed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    from jaxspec.checkpoint import WeightsError
-    from jaxspec.config import ConfigError
-
-    from checkpoints_convert.convert import ConvertError, convert
 
     try:
         out = convert(args.src, args.out, args.dtype, quantize=args.quantize, force=args.force, progress=not args.quiet)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec import engine
-from jaxspec.api import left_pad, round_up
+from jaxspec.decoder import left_pad, round_up
 from jaxspec.model import Model
 from jaxspec.sampling import SamplingParams
 from jaxspec.sharding import to_host

@@ -14,51 +14,36 @@ The budget is the measured table's best entry. A drafter without a table keeps t
 """
 from __future__ import annotations
 
-import functools
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import statistics
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.decoder import Decoder, Run
 from jaxspec.kernels import cpu
+from jaxspec.model import encode_prompt
+from jaxspec.sampling import SamplingParams
 from jaxspec.usercache import cache_dir
 
-ACCEPTANCE_FILE = "acceptance.json"
 COST_CONTEXT = 256  # twice the prompt the costs are timed after (a short chat turn)
 COST_FORMAT = 3  # 1: isolated forwards; 2: decode loops after random tokens; 3: the same after COST_PROMPT
 # What the rounds are timed after, where the model has a tokenizer: a user's question, so the rounds accept what
-# they do in use. After random tokens SmolLM2 repeats itself and a budget-8 round accepted about 8 tokens (200
-# tokens in 23 rounds, against 107 after this prompt), so a chunk of `tokens` was one round carrying a whole
-# call's dispatch and read-back (2-4 ms): budget 8's round read 20.8 ms there and 17.8 ms here (the same ops,
-# 18.2 ms, in a profile of both), and `auto` chose budget 4 where 8 decoded fastest in the same benchmark.
+# they do in use. After random tokens a small target repeats itself and a round accepts far more than in use, so
+# a chunk of `tokens` was one round carrying a whole call's dispatch and read-back, which inflated the round's
+# cost and made `auto` choose too small a budget (docs/design/budget.md).
 COST_PROMPT = ("I am planning a small vegetable garden behind my house. The plot gets about six hours of sun in the "
                "morning, the soil is heavy clay, and we often have dry spells in late summer. I would like to grow "
                "tomatoes, beans, lettuce and a few herbs, and I do not want to spend much money on tools or "
                "fertiliser. My neighbour says I should build raised beds, but my brother thinks I can simply dig in "
                "compost every spring. Which approach would you recommend for a beginner, how should I prepare the "
                "soil this autumn, and what should I plant first next year? Please explain your reasoning.")
-
-
-def read_acceptance(path: Path) -> dict[int, float] | None:
-    """A drafter dir's acceptance table {budget: acceptance length}, or None if it ships none."""
-    f = Path(path) / ACCEPTANCE_FILE
-    if not f.is_file():
-        return None
-    try:
-        table = {int(b): float(al) for b, al in json.loads(f.read_text())["acceptance_length"].items()}
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
-        raise ValueError(f"{f} is not an acceptance table ({e}); regenerate it with bench/spec.py --save-acceptance "
-                         "or delete it") from e
-    if not table or any(b < 1 or al < 1 for b, al in table.items()):
-        raise ValueError(f"{f} holds no valid entries (budgets >= 1, acceptance lengths >= 1)")
-    return table
 
 
 def timeit(fn, *args, reps: int = 5) -> float:
@@ -77,8 +62,6 @@ def cost_prompt(model, length: int) -> list[int]:
     has one), or `length` random tokens for a model without a tokenizer."""
     if model.tokenizer is None:
         return np.random.RandomState(0).randint(0, model.config.vocab_size, length).tolist()
-    from jaxspec.api import encode_prompt
-
     return encode_prompt(model, COST_PROMPT, None)[-length:]
 
 
@@ -94,72 +77,54 @@ def measure_costs(model, drafter, acceptance: dict[int, float], lookup: bool = T
     length could repay at the best rate found so far (rounds only grow with the tree). Then `reps` - 2 passes go
     over every kept budget in turn, `tokens` tokens each, each chunk of rounds right after as many AR steps. A
     round costs the median of its chunks' ratios to the AR chunk before them, times the fastest AR step. A VM's
-    speed moves in spells of seconds, and not by the same factor for AR steps and rounds (on the 2-core EPYC VM
-    AR steps took 12 or 16 ms, budget-8 rounds 17 to 21): the ratio of two neighbouring chunks shares their
-    spell, and interleaving gives every budget the same spells (timed one budget after another, a slow spell
-    fell on budget 8 alone and made `auto` pick 4, which decoded 1.3x slower in the same benchmark run)."""
-    from jaxspec import engine
-    from jaxspec.api import round_up
-    from jaxspec.sampling import SamplingParams
-
-    dc = drafter.config
+    speed moves in spells of seconds, and not by the same factor for AR steps and rounds: the ratio of two
+    neighbouring chunks shares their spell, and interleaving gives every budget the same spells (timed one
+    budget after another, a slow spell can fall on one budget alone and mislead `auto`; docs/design/budget.md)."""
     ids = cost_prompt(model, COST_CONTEXT // 2)
-    L = len(ids)
     chunks = max(reps, 2)  # timed chunks per budget
-    key, greedy, no_eos = jax.random.key(0), SamplingParams(), (-1,)
-    settings_of = {b: engine.SpecSettings("ddtree", b, dc.block_size, dc.target_layer_ids, greedy, no_eos,
-                                          layout=model.layout, draft_layout=drafter.layout, lookup=lookup)
-                   for b in acceptance}
-    most = max(s.round_tokens for s in settings_of.values())  # a call of rounds may overshoot by one round
+    greedy, no_eos = SamplingParams(), (-1,)
+    ar_dec = Decoder(model, sampling=greedy, eos=no_eos)
+    spec_decs = {b: Decoder(model, drafter, method="ddtree", budget=b, sampling=greedy, eos=no_eos, lookup=lookup)
+                 for b in acceptance}
+    most = max(d.settings.round_tokens for d in spec_decs.values())  # a call of rounds may overshoot by one round
     ar_len, spec_len = chunks * tokens, (chunks + 1) * (tokens + most)
-    prompt = jnp.asarray([ids], jnp.int32)
 
-    def ar(s, n):  # decode n more tokens -> (state, target forwards made)
-        steps = int(s.steps)
-        s = engine.ar_decode(model.jit_def, model.params, s, jnp.int32(steps + n), sampling=greedy, eos=no_eos,
-                             layout=model.layout)
-        return s, int(s.steps) - steps
+    def copy(run: Run) -> Run:  # decoding consumes (donates) a state
+        return dataclasses.replace(run, state=jax.tree.map(jnp.copy, run.state))
 
-    def spec(s, n, settings):  # the same for DDTree rounds
-        rounds = int(s.rounds)
-        s = engine.spec_decode(model.jit_def, model.params, drafter.jit_def, drafter.params, s,
-                               jnp.int32(int(s.emitted) + n), settings=settings)
-        return s, int(s.rounds) - rounds
+    def forwards(dec: Decoder, run: Run) -> int:
+        return int(run.state.steps if dec.method == "ar" else run.state.rounds)
 
-    def timed(decode, state):  # -> (state, seconds per forward)
+    def timed(dec: Decoder, run: Run) -> tuple[Run, float]:  # `tokens` more tokens -> (run, seconds per forward)
+        before = forwards(dec, run)
         t = time.perf_counter()
-        state, forwards = decode(state, tokens)
-        return state, (time.perf_counter() - t) / forwards
+        run = dec.decode(run, dec.count(run) + tokens)
+        return run, (time.perf_counter() - t) / (forwards(dec, run) - before)
 
     def sample(b):  # one chunk of budget b's rounds right after one AR chunk: their ratio, and the AR step
-        ar_state, ar_t = timed(ar, states[b][0])
-        spec_state, round_t = timed(decoders[b], states[b][1])
-        states[b] = (ar_state, spec_state)
+        ar_run, ar_t = timed(ar_dec, runs[b][0])
+        spec_run, round_t = timed(spec_decs[b], runs[b][1])
+        runs[b] = (ar_run, spec_run)
         ratios[b].append(round_t / ar_t)
         return ar_t
 
-    ar0 = engine.ar_prefill(model.jit_def, model.params, prompt, jnp.zeros((1,), jnp.int32), key, jnp.int32(10**6),
-                            max_len=round_up(L + ar_len, 256), out_len=ar_len + 1, sampling=greedy, eos=no_eos,
-                            layout=model.layout)
-    timed(ar, jax.tree.map(jnp.copy, ar0))  # compiles (decoding consumes a state: copies)
-    # Per budget an AR state beside its round state, so both decode over contexts of the same length.
-    ar_s, ratios, decoders, states, prefilled = float("inf"), {}, {}, {}, {}
+    ar0 = ar_dec.prefill([ids], ar_len + 2)
+    timed(ar_dec, copy(ar0))  # compiles
+    # Per budget an AR run beside its round run, so both decode over contexts of the same length.
+    ar_s, ratios, runs, prefilled = float("inf"), {}, {}, {}
     for b in sorted(acceptance):  # compile each budget and time it twice, while a larger one may still win
-        settings = settings_of[b]
-        max_len = round_up(L + spec_len + settings.nodes + dc.block_size, 256)  # as generate sizes it
-        if max_len not in prefilled:  # the prefill does not depend on the budget: one per buffer size
-            prefilled[max_len] = engine.spec_prefill(
-                model.jit_def, model.params, drafter.jit_def, drafter.params, prompt, jnp.int32(L), key,
-                jnp.int32(10**6), max_len=max_len, out_len=spec_len + 1, settings=settings)
-        decoders[b] = functools.partial(spec, settings=settings)
-        spec_state, _ = timed(decoders[b], jax.tree.map(jnp.copy, prefilled[max_len]))  # compiles
-        states[b], ratios[b] = (jax.tree.map(jnp.copy, ar0), spec_state), []
+        dec = spec_decs[b]
+        max_len = dec.spec_max_len(len(ids), spec_len + 1)
+        if max_len not in prefilled:  # the prefill's state does not depend on the budget: one per buffer size
+            prefilled[max_len] = dec.prefill([ids], spec_len + 1)
+        spec_run, _ = timed(dec, copy(prefilled[max_len]))  # compiles
+        runs[b], ratios[b] = (copy(ar0), spec_run), []
         for _ in range(2):
             ar_s = min(ar_s, sample(b))
         if not larger_can_win(acceptance, {c: statistics.median(r) for c, r in ratios.items()}):
             break
     for _ in range(reps - 2):
-        for b in decoders:
+        for b in ratios:
             ar_s = min(ar_s, sample(b))
     return dict(ar_step_s=ar_s, round_s={b: statistics.median(r) * ar_s for b, r in ratios.items()})
 

@@ -46,7 +46,9 @@ class KVEntry:
 
     def write(self, k: jax.Array, v: jax.Array, length) -> "KVEntry":
         """New k, v [B, N, KVH, D] go to slots length .. length+N-1 (the caller sizes the cache so they fit)."""
-        put = lambda buf, x: jax.lax.dynamic_update_slice(buf, x.transpose(0, 2, 1, 3).astype(buf.dtype), (0, 0, length, 0))  # noqa: E731
+        def put(buf, x):
+            return jax.lax.dynamic_update_slice(buf, x.transpose(0, 2, 1, 3).astype(buf.dtype), (0, 0, length, 0))
+
         return KVEntry(put(self.k, k), put(self.v, v))
 
     def advance(self, n) -> "KVEntry":

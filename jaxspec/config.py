@@ -134,7 +134,8 @@ def dense_config_from_dict(d: dict) -> DenseConfig:
     """Parse a HF config dict (the contents of config.json) into a DenseConfig."""
     model_type = d.get("model_type")
     if model_type not in DENSE_TYPES:
-        raise ConfigError(f"model_type {model_type!r} is not a dense model; the dense family reads: {', '.join(DENSE_TYPES)}")
+        raise ConfigError(f"model_type {model_type!r} is not a dense model; "
+                          f"the dense family reads: {', '.join(DENSE_TYPES)}")
     if model_type == "gemma3":  # multimodal checkpoint: the language model lives in text_config
         text = dict(d.get("text_config") or {})
         text["model_type"] = "gemma3_text"
@@ -171,9 +172,11 @@ def dense_config_from_dict(d: dict) -> DenseConfig:
     act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
     act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(act)
     if act is None:
-        raise ConfigError(f"unsupported activation in config.json: {hf.hidden_act!r} (supported: silu, gelu_pytorch_tanh)")
+        raise ConfigError(f"unsupported activation in config.json: {hf.hidden_act!r} "
+                          "(supported: silu, gelu_pytorch_tanh)")
     qscale = (
-        float(hf.query_pre_attn_scalar) ** -0.5 if gemma and getattr(hf, "query_pre_attn_scalar", None) else head_dim**-0.5
+        float(hf.query_pre_attn_scalar) ** -0.5 if gemma and getattr(hf, "query_pre_attn_scalar", None)
+        else head_dim**-0.5
     )
     return DenseConfig(
         model_type=model_type,
@@ -312,7 +315,8 @@ def drafter_config_from_dict(d: dict) -> DrafterConfig:
         max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
         attention_bias=bool(d.get("attention_bias", False)),
         layer_types=layer_types,
-        sliding_window=int(d["sliding_window"]) if "sliding_attention" in layer_types and d.get("sliding_window") else None,
+        sliding_window=(int(d["sliding_window"]) if "sliding_attention" in layer_types and d.get("sliding_window")
+                        else None),
     )
 
 

@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from jaxspec.budget import ACCEPTANCE_FILE, read_acceptance
 from jaxspec.checkpoint import DFLASH_ZLAB_RULES, WeightsError, load_params, read_safetensors
 from jaxspec.config import ConfigError, DrafterConfig, default_target_layer_ids, drafter_config_from_dict
 from jaxspec.kernels import plain, prepare, resolve
@@ -23,6 +22,7 @@ from jaxspec.models.dflash import DFlashDrafter
 from jaxspec.sharding import Layout
 
 MAX_BLOCK_SIZE = 64
+ACCEPTANCE_FILE = "acceptance.json"  # beside the weights: {budget: acceptance length} (budget.py)
 
 
 @dataclass(eq=False)
@@ -87,6 +87,21 @@ class Drafter:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def read_acceptance(path: Path) -> dict[int, float] | None:
+    """A drafter dir's acceptance table {budget: acceptance length}, or None if it ships none."""
+    f = Path(path) / ACCEPTANCE_FILE
+    if not f.is_file():
+        return None
+    try:
+        table = {int(b): float(al) for b, al in json.loads(f.read_text())["acceptance_length"].items()}
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"{f} is not an acceptance table ({e}); regenerate it with bench/spec.py --save-acceptance "
+                         "or delete it") from e
+    if not table or any(b < 1 or al < 1 for b, al in table.items()):
+        raise ValueError(f"{f} holds no valid entries (budgets >= 1, acceptance lengths >= 1)")
+    return table
+
+
 def check_fits(cfg: DrafterConfig, model: Model) -> None:
     """Raise a one-line error when a drafter cannot serve this target."""
     t = model.config
@@ -96,17 +111,21 @@ def check_fits(cfg: DrafterConfig, model: Model) -> None:
             "use a drafter trained for this target (or jaxspec.init_drafter)"
         )
     if cfg.vocab_size != t.vocab_size:
-        raise ConfigError(f"drafter vocab_size {cfg.vocab_size} does not match the target's {t.vocab_size}; use a drafter trained for this target")
+        raise ConfigError(f"drafter vocab_size {cfg.vocab_size} does not match the target's {t.vocab_size}; "
+                          "use a drafter trained for this target")
     bad = [i for i in cfg.target_layer_ids if not 0 <= i < t.num_layers]
     if bad:
-        raise ConfigError(f"drafter target_layer_ids {list(cfg.target_layer_ids)} are out of range for a {t.num_layers}-layer target")
+        raise ConfigError(f"drafter target_layer_ids {list(cfg.target_layer_ids)} are out of range for a "
+                          f"{t.num_layers}-layer target")
     if not 0 <= cfg.mask_token_id < t.vocab_size:
-        raise ConfigError(f"drafter mask_token_id {cfg.mask_token_id} is outside the target vocabulary of {t.vocab_size}")
+        raise ConfigError(f"drafter mask_token_id {cfg.mask_token_id} is outside the target vocabulary of "
+                          f"{t.vocab_size}")
     if not 2 <= cfg.block_size <= MAX_BLOCK_SIZE:
         raise ConfigError(f"drafter block_size {cfg.block_size} must be in [2, {MAX_BLOCK_SIZE}]")
     v = np.asarray(cfg.draft_vocab, np.int64)
     if v.size and (v.min() < 0 or v.max() >= t.vocab_size or np.unique(v).size != v.size):
-        raise ConfigError(f"drafter draft_vocab must hold distinct token ids below the target's vocab_size {t.vocab_size}")
+        raise ConfigError("drafter draft_vocab must hold distinct token ids below the target's vocab_size "
+                          f"{t.vocab_size}")
 
 
 def load_drafter(path, model: Model) -> Drafter:
@@ -138,7 +157,8 @@ def _read_draft_vocab(path: Path, size: int) -> tuple[int, ...]:
                 raise WeightsError(f"drafter tensor draft_vocab has shape {arr.shape} and dtype {arr.dtype}; "
                                    f"config.json's draft_vocab_size implies integer ids of shape ({size},)")
             return tuple(int(i) for i in arr)
-    raise WeightsError(f"drafter {path} sets draft_vocab_size but its safetensors lack the draft_vocab tensor; re-export it")
+    raise WeightsError(f"drafter {path} sets draft_vocab_size but its safetensors lack the draft_vocab tensor; "
+                       "re-export it")
 
 
 def default_mask_token(model: Model) -> int:

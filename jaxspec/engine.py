@@ -35,7 +35,6 @@ from jaxspec.segment import Segment
 from jaxspec.sharding import Layout
 from jaxspec.tree import add_chain, build_chain, build_tree, prune, tree_segment
 
-
 # ------------------------------------------------------------------------------------------ AR
 
 
@@ -113,7 +112,8 @@ def ar_decode(target_def, target_params, state: ARState, stop_at, *, sampling: S
         live = ~s.done
         out = jax.lax.dynamic_update_slice(s.out, jnp.where(live, tok, 0)[:, None], (0, s.steps))
         done = s.done | jnp.isin(tok, eos_ids) | (s.emitted + 1 >= s.max_new)
-        return ARState(cache=_pin(layout, cache.advance(1)), last=tok, out=out, emitted=s.emitted + live, steps=s.steps + 1,
+        return ARState(cache=_pin(layout, cache.advance(1)), last=tok, out=out, emitted=s.emitted + live,
+                       steps=s.steps + 1,
                        done=done, key=key, max_new=s.max_new)
 
     return jax.lax.while_loop(cond, body, state)

@@ -26,7 +26,7 @@ MAX_NGRAM = 4  # the longest suffix looked up; shorter ones are tried when it ne
 MAX_DEPTH = 32  # the deepest chain: a copy may run far past the drafter's block, as deep as the budget allows
 
 # P(chain token i right | the tokens before it right), row n - 1 for an n-token match, i = 0..15 (deeper
-# tokens reuse the last column): measured by bench/lookup_table.py on SmolLM2-135M-Instruct's greedy answers
+# tokens reuse the last column): measured by bench/cpu/lookup_table.py on SmolLM2-135M-Instruct's greedy answers
 # to training prompts (data/smollm2-135m-instruct/selfinstruct4.s0.npz).
 CHAIN_ACCURACY = ((0.20, 0.56, 0.63, 0.66, 0.77, 0.78, 0.82, 0.84, 0.80, 0.87, 0.84, 0.93, 0.85, 0.91, 0.86, 0.88),
                   (0.54, 0.64, 0.69, 0.76, 0.79, 0.83, 0.86, 0.84, 0.89, 0.88, 0.91, 0.89, 0.92, 0.90, 0.92, 0.91),

@@ -25,6 +25,7 @@ from jaxspec.models.registry import Family, config_from_dict, family_of, load_co
 from jaxspec.models.registry import layout as registry_layout
 from jaxspec.segment import Segment
 from jaxspec.sharding import Layout, place
+from jaxspec.usercache import derived_from
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -131,6 +132,23 @@ class Model:
                      resolve(kernels, sharded=layout is not None))
 
 
+def encode_prompt(model: Model, prompt: str, chat: bool | None) -> list[int]:
+    """A prompt's token ids: in the chat template's user turn when `chat` (None: when the tokenizer has one)."""
+    tok = model.tokenizer
+    if tok is None:
+        raise ValueError("this model has no tokenizer; pass input_ids instead of a prompt")
+    if chat is None:
+        chat = bool(getattr(tok, "chat_template", None))
+    if chat:
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("this tokenizer has no chat template; run without chat mode")
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return tok.encode(prompt)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _causal_logits(jit_def: StaticDef, params, ids):
     with use(jit_def.kernels):
@@ -141,7 +159,8 @@ def _causal_logits(jit_def: StaticDef, params, ids):
         return logits
 
 
-def random_model(config: TargetConfig, *, seed: int = 0, dtype="float32", tokenizer=None, mesh: Mesh | None = None) -> Model:
+def random_model(config: TargetConfig, *, seed: int = 0, dtype="float32", tokenizer=None,
+                 mesh: Mesh | None = None) -> Model:
     """A randomly initialised target of any registered family (tests, benchmarks on bigger shapes)."""
     module = family_of(config.model_type).module(config, dtype=parse_dtype(dtype), rngs=nnx.Rngs(seed))
     model = Model.from_module(module, tokenizer, source="random")
@@ -281,8 +300,12 @@ def _build(cfg: TargetConfig, tensors, dtype, layout: Layout | None = None, quan
     filled from `tensors` through the family's name table (straight into each parameter's shards when
     there is a layout)."""
     ctor, pack, _ = module_builder(cfg, dtype, quantize, native)
-    put = None if layout is None else (lambda arr, var, path: place(arr, layout.sharding(var.get_metadata()["out_sharding"], arr.shape)))
-    return load_params(ctor, tensors, family_of(cfg.model_type).hf_rules, pack=pack, place=put)
+
+    def put(arr, var, path):  # straight into the parameter's shards
+        return place(arr, layout.sharding(var.get_metadata()["out_sharding"], arr.shape))
+
+    return load_params(ctor, tensors, family_of(cfg.model_type).hf_rules, pack=pack,
+                       place=None if layout is None else put)
 
 
 def _tokenizer(model_dir: Path, gguf_file: str | None = None):
@@ -291,7 +314,8 @@ def _tokenizer(model_dir: Path, gguf_file: str | None = None):
 
     import transformers
 
-    if gguf_file is None and not any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if gguf_file is None and not any((model_dir / f).exists() for f in files):
         return None
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:
@@ -311,15 +335,13 @@ def _gguf_tokenizer(path: Path):
     """A GGUF's tokenizer, kept as tokenizer files in the cache directory after its first use.
 
     transformers builds it from the GGUF's vocabulary and merges, which the gguf reader parses string by string:
-    4.1 s of every `python -m jaxspec.generate` with the bundled SmolLM2 on the 2-core VM, where reading back
-    its saved files takes 0.08 s. The copy is keyed by the file (path, size, modification time) and the
+    seconds of every `python -m jaxspec.generate` with the bundled SmolLM2, where reading back its saved files
+    is fast (docs/benchmarks/cpu.md). The copy is keyed by the file (path, size, modification time) and the
     transformers version, written to a temporary name and renamed, and built again if it cannot be read."""
     import os
     import shutil
 
     import transformers
-
-    from jaxspec.usercache import derived_from
 
     saved = derived_from(path, "tokenizers", transformers.__version__)
     if saved.is_dir():

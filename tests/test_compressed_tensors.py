@@ -86,9 +86,8 @@ def test_incomplete_triple_is_reported():
 def test_int4_experts_stay_packed_when_quantize_is_set(tmp_path):
     """quantize='native': the INT4 experts fill packed parameters as stored (no dequantisation), the rest stays
     float; the logits equal the dequantised load's."""
-    from test_deepseek import build_hf
-
     from jaxspec.models.quant import Packed, unpack_nibbles
+    from test_deepseek import build_hf
 
     hf = build_hf("kimi")
     hf.save_pretrained(tmp_path / "src")

@@ -16,7 +16,6 @@ import textwrap
 import jax
 import numpy as np
 import pytest
-
 from jax.sharding import PartitionSpec as P
 
 import jaxspec
@@ -78,6 +77,7 @@ def test_gguf_round_trip_bfloat16(tiny_hf, tmp_path):
 def kimi_int4(tmp_path_factory):
     """A tiny Kimi whose routed experts are compressed-tensors pack-quantized INT4."""
     from safetensors.numpy import save_file
+
     from test_compressed_tensors import QUANT, pack_int4, quantize
     from test_deepseek import build_hf
 
@@ -225,8 +225,9 @@ def test_packed_on_mesh(packable, tmp_path, quantize, tp, dp):
     ar = greedy(one)
     assert len(set(ar)) > 8  # varied tokens, not one repeated
     assert greedy(sharded) == greedy(restored) == ar
-    ddtree = lambda m: jaxspec.generate(m, input_ids=PROMPT, drafter=oracle_drafter(m, PROMPT + ar, noise=0.3, block_size=5),  # noqa: E731
-                                        method="ddtree", budget=8, max_new_tokens=NEW)
+    ddtree = lambda m: jaxspec.generate(  # noqa: E731
+        m, input_ids=PROMPT, drafter=oracle_drafter(m, PROMPT + ar, noise=0.3, block_size=5), method="ddtree",
+        budget=8, max_new_tokens=NEW)
     r_one, r_sharded = ddtree(one), ddtree(sharded)
     assert r_sharded.token_ids == r_one.token_ids == ar and r_sharded.stats["acceptance_length"] > 2.0
 
@@ -344,8 +345,9 @@ def test_peak_memory_near_largest_tensor(tmp_path):
     for i in range(L):
         p = f"model.layers.{i}."
         shapes.update({p + f"self_attn.{x}_proj.weight": (H, H) for x in "qkvo"})
-        shapes.update({p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H), p + "mlp.down_proj.weight": (H, F),
-                       p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)})
+        shapes.update({p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H),
+                       p + "mlp.down_proj.weight": (H, F), p + "input_layernorm.weight": (H,),
+                       p + "post_attention_layernorm.weight": (H,)})
     src = tmp_path / "src"
     src.mkdir()
     rest, weight_map = list(shapes)[2:], {}
@@ -356,8 +358,8 @@ def test_peak_memory_near_largest_tensor(tmp_path):
         weight_map.update(dict.fromkeys(names, f))
     (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (src / "config.json").write_text(json.dumps(dict(
-        model_type="llama", vocab_size=V, hidden_size=H, intermediate_size=F, num_hidden_layers=L, num_attention_heads=8,
-        num_key_value_heads=8, max_position_embeddings=64, tie_word_embeddings=False)))
+        model_type="llama", vocab_size=V, hidden_size=H, intermediate_size=F, num_hidden_layers=L,
+        num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=64, tie_word_embeddings=False)))
     largest = max(int(np.prod(s)) for s in shapes.values()) * 4
     total = sum(int(np.prod(s)) for s in shapes.values()) * 4
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "JAX_PLATFORMS": "cpu"}
@@ -365,5 +367,6 @@ def test_peak_memory_near_largest_tensor(tmp_path):
                        text=True, env=env, check=True)
     peak = json.loads(r.stdout.strip().splitlines()[-1])["above_start"]
     print(f"peak {peak / 2**20:.1f} MiB above start; largest tensor {largest / 2**20:.0f} MiB, "
-          f"checkpoint {total / 2**20:.0f} MiB; bound 1.5 x largest + {FIXED >> 20} MiB = {(1.5 * largest + FIXED) / 2**20:.0f} MiB")
+          f"checkpoint {total / 2**20:.0f} MiB; "
+          f"bound 1.5 x largest + {FIXED >> 20} MiB = {(1.5 * largest + FIXED) / 2**20:.0f} MiB")
     assert peak <= 1.5 * largest + FIXED

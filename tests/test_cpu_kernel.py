@@ -89,8 +89,8 @@ for rows in (1, 2, 3, 9, 13):
         y = jax.jit(lambda x, t: cpu_kernel.dense_tiled(x, t, 130))(x, cpu_kernel.tile(w, dt))
         worst = max(worst, float(np.max(np.abs(np.asarray(y) - ref) / (np.abs(x) @ np.abs(np.asarray(w)) + 1e-30))))
 tiled = jax.jit(lambda x: cpu_kernel.dense_tiled(x, cpu_kernel.tile(jnp.ones((64, 96))), 96)).lower(jnp.ones((3, 64)))
-print(cpu_kernel.level(), cpu_kernel.DENSE in plain, cpu_kernel.DENSE in tiled.as_text(), type(lin.kernel[...]).__name__,
-      worst < 1e-5)
+print(cpu_kernel.level(), cpu_kernel.DENSE in plain, cpu_kernel.DENSE in tiled.as_text(),
+      type(lin.kernel[...]).__name__, worst < 1e-5)
 """
     env = {**os.environ, "JAXSPEC_CACHE_DIR": str(tmp_path)}
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -180,8 +180,8 @@ def test_project_merges_float_linears_only():
     x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 2, 64)).astype(np.float32))
     f = lambda x: project(x, *lins)  # noqa: E731
     for y, lin in zip(f(x), lins):
-        np.testing.assert_allclose(np.asarray(y), np.asarray(x @ lin.kernel[...] + (0 if lin.bias is None else
-                                                                                    lin.bias[...])), rtol=1e-5, atol=1e-5)
+        bias = 0 if lin.bias is None else lin.bias[...]
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x @ lin.kernel[...] + bias), rtol=1e-5, atol=1e-5)
     assert cpu_kernel.DENSE_MANY in hlo(f, x)
     quant.pack_module(lins[0], {"kernel": quant.scheme_of("int8")}, fill=True)
     assert cpu_kernel.DENSE_MANY not in hlo(lambda x: project(x, *lins), x)

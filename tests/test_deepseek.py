@@ -152,7 +152,8 @@ def test_router_picks_transformers_experts(tiny, kind):
     for t, (g, r) in enumerate(zip(got, want)):
         assert set(g) == set(r), f"token {t}: experts {sorted(g)} vs {sorted(r)}"
         np.testing.assert_allclose([g[e] for e in r], list(r.values()), rtol=1e-5, atol=1e-6)
-    _, unbiased = route(jnp.asarray(x.numpy()), p["weight"][...], jnp.zeros_like(p["e_score_correction_bias"][...]), **kw)
+    _, unbiased = route(jnp.asarray(x.numpy()), p["weight"][...], jnp.zeros_like(p["e_score_correction_bias"][...]),
+                        **kw)
     assert any(set(a.tolist()) != set(b.tolist()) for a, b in zip(np.asarray(unbiased), np.asarray(idx)))
 
 
@@ -277,7 +278,8 @@ def test_checkpoint_layouts(tiny, tiny_paths, tmp_path):
     L = config["num_hidden_layers"]
     mtp = {k.replace("layers.2.", f"layers.{L}."): v for k, v in tensors.items() if "layers.2." in k}
     mtp[f"model.layers.{L}.enorm.weight"] = np.ones(64, np.float32)
-    vlm = {("language_model." + k if k.startswith(("model.", "lm_head")) else k): v for k, v in {**tensors, **mtp}.items()}
+    vlm = {("language_model." + k if k.startswith(("model.", "lm_head")) else k): v
+           for k, v in {**tensors, **mtp}.items()}
     vlm["vision_tower.patch_embed.weight"] = np.zeros((2, 2), np.float32)
     (tmp_path / "k25").mkdir()
     save_file(vlm, str(tmp_path / "k25" / "model.safetensors"))

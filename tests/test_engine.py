@@ -6,17 +6,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import jaxspec
-from jaxspec import api, engine
+from jaxspec import decoder, engine
 from jaxspec.checkpoint import WeightsError
 from jaxspec.config import ConfigError, dense_config_from_dict
-from jaxspec.testing import oracle_drafter
-from test_lookup import lookup_reference
-from jaxspec.segment import Segment
-from jaxspec.tree import build_tree, tree_segment
 from jaxspec.kernels import cpu, plain
+from jaxspec.segment import Segment
+from jaxspec.testing import oracle_drafter
+from jaxspec.tree import build_tree, tree_segment
+from test_lookup import lookup_reference
 
 TINY = {
     "llama": dict(model_type="llama", rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -227,10 +226,11 @@ def test_batched_ar_grows_the_cache_by_windows(target, ar_ref, monkeypatch):
     alone (and row 0 the AR reference)."""
     other = PROMPT[5:]
     grown, real_reslot = [], engine.ar_reslot
-    monkeypatch.setattr(engine, "ar_reslot", lambda s, shift, **kw: grown.append(kw["max_len"]) or real_reslot(s, shift, **kw))
+    monkeypatch.setattr(engine, "ar_reslot",
+                        lambda s, shift, **kw: grown.append(kw["max_len"]) or real_reslot(s, shift, **kw))
     res = jaxspec.generate(target, input_ids=[PROMPT, other], method="ar", max_new_tokens=150)
     assert grown == [192, 256]  # prompt slots 64: windows of 128, 192 and 256 slots
-    monkeypatch.setattr(api, "ar_window", lambda model, batch, max_len: max_len)
+    monkeypatch.setattr(decoder, "ar_window", lambda model, batch, max_len: max_len)
     alone = jaxspec.generate(target, input_ids=other, method="ar", max_new_tokens=150).token_ids
     assert res.token_ids == [ar_ref[:150], alone]
 
@@ -272,7 +272,8 @@ def test_drafter_save_load_roundtrip(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     r1 = jaxspec.generate(m, input_ids=PROMPT, drafter=d, max_new_tokens=24)
     r2 = jaxspec.generate(m, input_ids=PROMPT, drafter=d2, max_new_tokens=24)
-    assert r1.token_ids == r2.token_ids and r1.stats["accepted_length_histogram"] == r2.stats["accepted_length_histogram"]
+    assert r1.token_ids == r2.token_ids
+    assert r1.stats["accepted_length_histogram"] == r2.stats["accepted_length_histogram"]
     # saved in bfloat16: loaded float32, its kernels tiled in bfloat16, drafting what float32 tiles of it draft
     d.save(tmp_path / "bf16", dtype="bfloat16")
     d3 = jaxspec.load_drafter(tmp_path / "bf16", m)
@@ -337,8 +338,9 @@ def test_load_zlab_layout(tmp_path):
     assert d.config.block_size == 16 and d.config.target_layer_ids == (0, 1) and d.config.mask_token_id == 127
     mod = d.module
     np.testing.assert_array_equal(np.asarray(mod.fc.weight()), tensors["fc.weight"].T)
-    np.testing.assert_array_equal(np.asarray(mod.layers[0].self_attn.o_proj.weight()), tensors["layers.0.self_attn.o_proj.weight"].T)
-    np.testing.assert_array_equal(np.asarray(mod.layers[0].self_attn.k_norm.weight[...]), tensors["layers.0.self_attn.k_norm.weight"])
+    attn = mod.layers[0].self_attn
+    np.testing.assert_array_equal(np.asarray(attn.o_proj.weight()), tensors["layers.0.self_attn.o_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(attn.k_norm.weight[...]), tensors["layers.0.self_attn.k_norm.weight"])
     res = jaxspec.generate(m, input_ids=PROMPT, drafter=d, max_new_tokens=20)
     assert res.token_ids == jaxspec.generate(m, input_ids=PROMPT, max_new_tokens=20).token_ids
 

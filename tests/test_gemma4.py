@@ -25,8 +25,8 @@ from flax import nnx
 
 import jaxspec
 import jaxspec.model as jm
-from jaxspec.config import ConfigError
 from conftest import randomize_
+from jaxspec.config import ConfigError
 from jaxspec.models.gemma4 import gemma4_config_from_dict, rope_inv_freq
 from jaxspec.sampling import SamplingParams
 from jaxspec.segment import Segment

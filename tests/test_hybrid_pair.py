@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jaxspec
-from jaxspec.api import encode_prompt
+from jaxspec.model import encode_prompt
 from jaxspec.train.data import read_prompts
 
 PAIR = Path(__file__).resolve().parents[1] / "bench" / "models" / "qwen3_5-stdlib"

@@ -12,8 +12,15 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.kv_commit import (GPU_INTERPRET, effective_impl, kv_commit, kv_commit_mosaic_gpu, kv_commit_pallas, kv_commit_reference,
-                                      latent_commit)
+from pallas_kernels.kv_commit import (
+    GPU_INTERPRET,
+    effective_impl,
+    kv_commit,
+    kv_commit_mosaic_gpu,
+    kv_commit_pallas,
+    kv_commit_reference,
+    latent_commit,
+)
 
 
 def random_case(rng, shape, P, dtype):

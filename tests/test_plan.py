@@ -44,7 +44,7 @@ def test_kimi_k2_int4_fits_bf16_does_not():
 
 
 def test_gdn_verify_scratch_matches_readme():
-    """README "Hybrid GDN in a tree" (bench/budget_sweep.py), Qwen3.6-27B at budget 64, unsharded: 3.3 MiB per GDN
+    """docs/design/hybrid-gdn.md (bench/budget_sweep.py), Qwen3.6-27B at budget 64, unsharded: 3.3 MiB per GDN
     layer kept for the commit, 159 MiB over its 48 GDN layers, and 0.8 MiB per [N, N, Hv] float32 array."""
     cfg = config_from_dict(read_config(CONFIGS / "qwen3_6_27b.json"))
     gdn = verify_scratch(cfg, tp=1, budget=64, max_len=32768, batch=1, itemsize=2)["gdn"]

@@ -56,7 +56,8 @@ def test_packed_matmul_equals_dequantize_then_matmul(name, rows):
     np.testing.assert_allclose(np.asarray(quant.dequantize(*p.parts())), w, rtol=1e-6)
     x = np.random.default_rng(1).normal(size=(1, rows, 64)).astype(np.float32)
     assert_float_product(jax.jit(quant.matmul)(jnp.asarray(x), p)[0], x[0], w)
-    xla = jax.jit(lambda x: xla_forms.packed_matmul(x, *p.parts()))  # the path without the CPU kernel (GPU, no compiler)
+    # the path without the CPU kernel (GPU, no compiler)
+    xla = jax.jit(lambda x: xla_forms.packed_matmul(x, *p.parts()))
     assert_float_product(xla(jnp.asarray(x))[0], x[0], w)
 
 

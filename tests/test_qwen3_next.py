@@ -30,7 +30,8 @@ BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
 MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 TYPES = {
     "qwen3_next": dict(MOE, norm_topk_prob=True, decoder_sparse_step=1),
-    "qwen3_5_text": dict(rope_parameters={**BASE["rope_parameters"], "mrope_section": [1, 1, 0], "mrope_interleaved": True}),
+    "qwen3_5_text": dict(rope_parameters={**BASE["rope_parameters"], "mrope_section": [1, 1, 0],
+                                          "mrope_interleaved": True}),
     "qwen3_5_moe_text": MOE,
 }
 LENGTHS, B, ATOL = (1, 63, 64, 65, 150), 2, 3e-4

@@ -15,9 +15,9 @@ import scipy.stats
 import jaxspec
 from jaxspec.config import dense_config_from_dict
 from jaxspec.kernels import cpu as cpu_kernel
+from jaxspec.kernels.xla import argmax as _argmax_xla
 from jaxspec.models.deepseek import deepseek_config_from_dict
 from jaxspec.models.qwen3_next import hybrid_config_from_dict
-from jaxspec.kernels.xla import argmax as _argmax_xla
 from jaxspec.sampling import SamplingParams, argmax, filtered_logits
 from jaxspec.testing import oracle_drafter
 from test_cache import GDN, MLA

@@ -36,7 +36,8 @@ def test_train_forward_matches_drafting(vocab):
     m = tiny_target("llama")
     d = jaxspec.init_drafter(m, num_layers=2, block_size=8, seed=2, draft_vocab=vocab)
     seq = jnp.asarray([PROMPT + PROMPT[:7]])  # [1, 20]
-    taps, _ = compute_taps(m, Dataset(np.asarray(seq), np.ones(seq.shape, bool), np.array([20])), d.config.target_layer_ids)
+    taps, _ = compute_taps(m, Dataset(np.asarray(seq), np.ones(seq.shape, bool), np.array([20])),
+                           d.config.target_layer_ids)
     anchors = jnp.asarray([[5, 11]])
     block = jnp.where(jnp.arange(8) == 0, seq[0, anchors[0]][:, None], d.config.mask_token_id)[None]  # [1, 2, 8]
     tgt, dm = m.module, d.module
@@ -68,7 +69,8 @@ def test_taps_are_a_full_forwards(on_disk, tmp_path):
     N, S = data.tokens.shape
     out = None
     if on_disk:
-        out = np.lib.format.open_memmap(tmp_path / "taps.npy", mode="w+", dtype=np.float32, shape=(N, S, 2 * m.config.hidden_size))
+        out = np.lib.format.open_memmap(tmp_path / "taps.npy", mode="w+", dtype=np.float32,
+                                        shape=(N, S, 2 * m.config.hidden_size))
         out[:] = np.nan
     taps, _ = compute_taps(m, data, (0, 1), batch=2, out=out)  # 5 rows: the last batch is padded
     assert out is None or taps is out
@@ -261,7 +263,8 @@ def test_train_cli_end_to_end(tmp_path, capsys):
         return ["--model", str(model_dir), "--prompts", str(prompt_file), "--heldout", str(prompts),
                 "--out", str(tmp_path / "out"), "--work", str(tmp_path / work), "--steps", str(steps), "--batch", "2",
                 "--anchors", "4", "--seq-len", "48", "--num-layers", "1", "--num-taps", "1", "--block-size", "4",
-                "--samples", "2", "--ckpt-every", "3", "--eval-every", "6", "--eval-prompts", "1", "--draft-vocab", "32"]
+                "--samples", "2", "--ckpt-every", "3", "--eval-every", "6", "--eval-prompts", "1",
+                "--draft-vocab", "32"]
 
     assert main(argv(6)) == 0, capsys.readouterr().err
     d = jaxspec.load_drafter(tmp_path / "out", jaxspec.load(model_dir))
@@ -397,7 +400,8 @@ def test_interrupted_taps_pass_resumes(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "w" / "taps.partial.json").exists()
     np.testing.assert_array_equal(np.load(tmp_path / "w" / "taps.npy"), np.load(tmp_path / "full" / "taps.npy"))
     for k in ("ids", "probs"):
-        np.testing.assert_array_equal(np.load(tmp_path / "w" / "soft.npz")[k], np.load(tmp_path / "full" / "soft.npz")[k])
+        np.testing.assert_array_equal(np.load(tmp_path / "w" / "soft.npz")[k],
+                                      np.load(tmp_path / "full" / "soft.npz")[k])
     assert cli.main(argv("w")) == 0  # then cached as usual
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "taps.partial.json").write_text("{")  # a corrupt progress record: one clear line

@@ -1,16 +1,17 @@
-"""Few-row float32 products on this CPU: XLA's dot against jaxspec's kernel (`cpu_kernel.dense`, and
+"""Few-row float32 products on this CPU: XLA's dot against jaxspec's kernel (`jaxspec.kernels.cpu.dense`, and
 `dense_tiled` on the column tiles `jaxspec.load` keeps the projections in), measured in
 one run on one decode step's worth of weights of a model's shapes (SmolLM2-135M by default: 30 layers of q, k,
 v, o, gate, up, down, and the tied [V, H] LM head, full and on a draft vocabulary's rows).
 
 Rows are what a step multiplies: 1 (AR), 1 + budget (a tree verify), the drafter's block. The crossover rows
-this prints are where `cpu_kernel.ROWS` comes from.
+this prints are where `jaxspec.kernels.cpu.ROWS` comes from.
 
     python bench/cpu/cpu_matmul.py [--rows 1,2,3,5,9,17,33,49] [--draft-vocab 8192]
 """
 from __future__ import annotations
 
 import argparse
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,8 +60,9 @@ def main():
         ms = lambda f, *a: 1e3 * timeit(f, *a, reps=15)  # noqa: E731
         t = [ms(f, x, ws) for f in kn.values()] + [ms(f, x[:, :H], head) for f in nk.values()] + \
             [ms(f, x[:, :H], head) for f in nk_rows.values()] + [ms(tiled, x, tiles)]
-        print(f"{m:>4}  {t[0]:>15.2f} {t[1]:>7.2f} {t[0] / t[1]:>4.2f}x {t[6]:>6.2f} {t[0] / t[6]:>4.2f}x  {t[2]:>8.2f} "
-              f"{t[3]:>7.2f} {t[2] / t[3]:>4.2f}x  {t[4]:>14.2f} {t[5]:>7.2f} {t[4] / t[5]:>4.2f}x", flush=True)
+        print(f"{m:>4}  {t[0]:>15.2f} {t[1]:>7.2f} {t[0] / t[1]:>4.2f}x {t[6]:>6.2f} {t[0] / t[6]:>4.2f}x  "
+              f"{t[2]:>8.2f} {t[3]:>7.2f} {t[2] / t[3]:>4.2f}x  {t[4]:>14.2f} {t[5]:>7.2f} {t[4] / t[5]:>4.2f}x",
+              flush=True)
 
 
 if __name__ == "__main__":

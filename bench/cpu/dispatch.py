@@ -20,7 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import jaxspec  # noqa: E402
 from jaxspec import engine  # noqa: E402
-from jaxspec.generate import BUNDLED_DRAFTER, bundled_model  # noqa: E402
+from jaxspec.cli import BUNDLED_DRAFTER, bundled_model  # noqa: E402
 from jaxspec.sampling import SamplingParams  # noqa: E402
 
 

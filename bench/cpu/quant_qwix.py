@@ -56,7 +56,8 @@ def main() -> None:
         for name, (f, w) in candidates(W).items():
             j = jax.jit(f)
             hlo = j.lower(x, w).compile().as_text().split("ENTRY")[1]
-            float_weight = name != "float32" and bool(re.search(rf"= f32\[({K},{N}|{N},{K}|{K // 32},32,{N}|{N},{K // 32},32)\]", hlo))
+            shapes = rf"({K},{N}|{N},{K}|{K // 32},32,{N}|{N},{K // 32},32)"
+            float_weight = name != "float32" and bool(re.search(rf"= f32\[{shapes}\]", hlo))
             j(x, w).block_until_ready()
             fns[name] = (j, w, float_weight)
         best = dict.fromkeys(fns, float("inf"))

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import jaxspec  # noqa: E402
 from jaxspec.budget import best_budget, measure_costs  # noqa: E402
-from jaxspec.generate import BUNDLED_DRAFTER, bundled_model  # noqa: E402
+from jaxspec.cli import BUNDLED_DRAFTER, bundled_model  # noqa: E402
 
 
 def main(argv=None) -> int:

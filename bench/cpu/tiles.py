@@ -27,8 +27,8 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import jaxspec  # noqa: E402
-from jaxspec.generate import BUNDLED_DRAFTER, bundled_model  # noqa: E402
 from jaxspec import kernels  # noqa: E402
+from jaxspec.cli import BUNDLED_DRAFTER, bundled_model  # noqa: E402
 from jaxspec.kernels import cpu  # noqa: E402
 from jaxspec.models.layers import Linear  # noqa: E402
 

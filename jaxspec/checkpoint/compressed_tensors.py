@@ -9,8 +9,9 @@ Each quantised Linear `<p>.weight` is stored as three tensors: `<p>.weight_packe
 
 With `jaxspec.load(..., quantize=...)` set (any value) the triples stay packed instead
 (`packed`): `<p>.weight` arrives as a `PackedTensor` (the 4-bit codes regrouped two per byte in jaxspec's
-block order, the scales widened to float32) and fills a packed parameter, never a float one. That is how a real Kimi K2 fits: dequantised to
-bf16 its experts need ~1.9 TiB. Without `quantize` they are dequantised (small checkpoints, tests);
+block order, the scales widened to float32) and fills a packed parameter, never a float one. That is how a
+real Kimi K2 fits: dequantised to bf16 its experts need ~1.9 TiB. Without `quantize` they are dequantised
+(small checkpoints, tests);
 requantising an INT4 checkpoint to int8 would only lose precision, so `int8` keeps them as stored too.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 from jaxspec.checkpoint.core import WeightsError
 from jaxspec.checkpoint.fp8 import dequantize_fp8_blocks, fp8_block_size
 from jaxspec.checkpoint.packed import PackedTensor, Scheme, pack_nibbles
+from jaxspec.checkpoint.safetensors import safetensors_files
 
 _PARTS = ("weight_packed", "weight_scale", "weight_shape")
 
@@ -41,7 +43,8 @@ def pack_quantized_group_size(quantization_config: dict | None) -> int | None:
     for group in (q.get("config_groups") or {}).values():
         w = group.get("weights") or {}
         if (w.get("num_bits"), w.get("type"), w.get("symmetric"), w.get("strategy")) != (4, "int", True, "group"):
-            raise WeightsError(f"unsupported pack-quantized weights {w}; jaxspec reads symmetric int4 with group scales")
+            raise WeightsError(f"unsupported pack-quantized weights {w}; "
+                               "jaxspec reads symmetric int4 with group scales")
         sizes.add(int(w["group_size"]))
     if len(sizes) != 1:
         raise WeightsError(f"pack-quantized config_groups must share one group_size, got {sorted(sizes)}")
@@ -122,7 +125,6 @@ def packed_schemes(model_dir: Path) -> dict[str, Scheme]:
     tensor names only: nothing is read); empty if the checkpoint is not pack-quantized (fp8 is dequantised)."""
     from safetensors import safe_open
 
-    from jaxspec.checkpoint.safetensors import safetensors_files
 
     q = _quantization_config(model_dir)
     group_size = None if fp8_block_size(q) is not None else pack_quantized_group_size(q)
@@ -131,7 +133,8 @@ def packed_schemes(model_dir: Path) -> dict[str, Scheme]:
     out = {}
     for f in safetensors_files(Path(model_dir)):
         with safe_open(str(f), framework="numpy") as st:
-            out.update({n.removesuffix("_packed"): Scheme(4, group_size) for n in st.keys() if n.endswith(".weight_packed")})
+            out.update({n.removesuffix("_packed"): Scheme(4, group_size)
+                        for n in st.keys() if n.endswith(".weight_packed")})
     return out
 
 

@@ -18,7 +18,6 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -109,7 +108,8 @@ def load_params(module_ctor: Callable[[], nnx.Module], tensors: Iterable[tuple[s
         if packed:
             if not isinstance(arr, PackedTensor):
                 if pack is None:
-                    raise WeightsError(f"parameter {path} is packed but {name!r} is a float tensor and no packing was asked for")
+                    raise WeightsError(f"parameter {path} is packed but {name!r} is a float tensor "
+                                       "and no packing was asked for")
                 arr = pack(path, arr)
             want = {k.rsplit(".", 1)[1] for k in by_path if k.rsplit(".", 1)[0] == path}
             if set(arr.parts()) != want:
@@ -167,7 +167,8 @@ def _check_dtype(name: str, path: str, got, want) -> None:
     floating = jnp.issubdtype(want, jnp.floating)
     if floating and jnp.issubdtype(got, jnp.floating) or got == want:
         return
-    why = "a floating parameter needs a floating tensor" if floating else "a packed parameter takes its tensor untouched"
+    why = ("a floating parameter needs a floating tensor" if floating
+           else "a packed parameter takes its tensor untouched")
     raise WeightsError(f"tensor {name!r} has dtype {np.dtype(got)}, but parameter {path} is {np.dtype(want)}; {why}")
 
 

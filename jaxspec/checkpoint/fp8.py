@@ -42,7 +42,8 @@ def dequantize_block(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int
     return w.astype(np.float32) * s
 
 
-def dequantize_fp8_blocks(tensors: Iterable[tuple[str, np.ndarray]], block: tuple[int, int]) -> Iterator[tuple[str, np.ndarray]]:
+def dequantize_fp8_blocks(tensors: Iterable[tuple[str, np.ndarray]],
+                          block: tuple[int, int]) -> Iterator[tuple[str, np.ndarray]]:
     """Pass tensors through, replacing each (float8 `<p>.weight`, `<p>.weight_scale_inv`) pair by a float32
     `<p>.weight` as soon as both have arrived (shards may split a pair, so the first waits by prefix)."""
     waiting: dict[str, dict[str, np.ndarray]] = {}

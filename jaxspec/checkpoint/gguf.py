@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxspec.checkpoint.core import WeightsError
 from jaxspec.checkpoint.packed import PackedTensor, Scheme
+from jaxspec.usercache import derived_from
 
 # llama.cpp tensor name (without .weight/.bias) -> HF name; None: not a parameter
 _TOP_NAMES = {
@@ -277,17 +278,17 @@ class _Index:
 
 def _index(path: Path) -> _Index:
     """The file's index, kept in the cache directory (under `gguf/`) once gguf's reader has
-    built it: the reader parses every metadata string one by one (SmolLM2's 150k vocabulary strings: 3 s of
-    each load on the 2-core VM), and jaxspec needs only the config and where each tensor lies. The copy is
-    keyed by the file (path, size, modification time), the gguf version and this module's source, written to
-    a temporary name and renamed, and ignored if it cannot be read."""
+    built it: the reader parses every metadata string one by one (a large share of every load for a vocabulary
+    of 150k strings; docs/benchmarks/cpu.md, "Start-up cost and the cache directory"), and jaxspec needs only
+    the config and where each tensor lies. The copy is keyed by the file (path, size, modification time), the
+    gguf version and this module's source, written to a temporary name and renamed, and ignored if it cannot
+    be read."""
     import importlib.metadata
     import json
     import os
 
     import gguf
 
-    from jaxspec.usercache import derived_from
 
     try:
         saved = derived_from(path, "gguf", importlib.metadata.version("gguf"), Path(__file__).read_text())
@@ -364,7 +365,8 @@ def read_gguf(path: Path, *, native: bool = False) -> tuple[dict, Iterator[tuple
             try:
                 arr = gguf.quants.dequantize(t.data, t.tensor_type)
             except NotImplementedError as e:
-                raise WeightsError(f"GGUF tensor {t.name} uses {t.tensor_type.name}, which gguf cannot dequantise") from e
+                raise WeightsError(f"GGUF tensor {t.name} uses {t.tensor_type.name}, "
+                                   "which gguf cannot dequantise") from e
             arr = arch.fix(t.name, arr, cfg)
             yield hf, arr
             del arr  # before the next tensor is dequantised: one tensor alive at a time

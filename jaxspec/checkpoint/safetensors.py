@@ -68,5 +68,6 @@ def _read_file(f: Path) -> Iterator[tuple[str, np.ndarray]]:
 
 
 # safetensors dtype names jaxspec reads (FP8 weights are dequantised with their block scales: checkpoint/fp8.py)
-_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64,
-           "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F64": np.float64, "F32": np.float32, "F16": np.float16,
+           "BF16": ml_dtypes.bfloat16, "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+           "U8": np.uint8, "BOOL": np.bool_}

@@ -104,7 +104,9 @@ def level() -> int:
         return _unavailable(str(e), "Install a C++ compiler (g++)" if no_cxx else
                             "Point JAXSPEC_CACHE_DIR at a writable directory")
     vectorised = lib.jaxspec_vectorised()  # what the compiler could build for this CPU (cpu_matmul.cc)
-    if not vectorised:  # XLA's forms beat plain loops 4x
+    # plain loops in the kernels' place ran slower than XLA's forms (docs/benchmarks/cpu.md, "Which CPUs run
+    # jaxspec's kernels")
+    if not vectorised:
         return _unavailable("this CPU has neither AVX-512 nor AVX2, which they are written for", None)
     jax.ffi.register_ffi_target(DENSE, jax.ffi.pycapsule(lib.jaxspec_dense_matmul), platform="cpu")
     jax.ffi.register_ffi_target(DENSE_MANY, jax.ffi.pycapsule(lib.jaxspec_dense_many), platform="cpu")

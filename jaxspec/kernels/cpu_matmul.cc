@@ -1,9 +1,9 @@
-// Matmuls for XLA:CPU with few input rows, called from JAX through the XLA FFI (jaxspec/models/cpu_kernel.py
-// builds and registers them). Two kernels: the packed-weight product below (jaxspec/models/quant.py `matmul`
-// is its caller and `dequantize` its reference), and the float32 product further down (`Dense`; caller
-// cpu_kernel.dense, reference XLA's dot; `DenseMany` runs it for several weights that share one input). After
-// them, two companions of a decode or verify forward: a row-wise argmax and the attention of a few new tokens
-// over a KV cache (`CacheAttention`).
+// Matmuls for XLA:CPU with few input rows, called from JAX through the XLA FFI (jaxspec/kernels/cpu.py, the CPU
+// backend, builds and registers them). Two kernels: the packed-weight product below (caller cpu.packed_matmul,
+// reference jaxspec/kernels/xla.py's `packed_matmul` over `dequantize`), and the float32 product further down
+// (`Dense`; caller cpu.dense, reference XLA's dot; `DenseMany` runs it for several weights that share one
+// input). After them, two companions of a decode or verify forward: a row-wise argmax and the attention of a
+// few new tokens over a KV cache (`CacheAttention`).
 //
 // Packed weights:
 //   y[m, n] = sum_k x[m, k] * W[n, k],   W[n, k] = scale[n, k / g] * code(n, k) (+ offset[n, k / g])
@@ -35,9 +35,9 @@
 
 // The kernels are written for AVX-512 (x86-64: Intel Xeon since Skylake-SP, AMD since Zen 4). With AVX2 and FMA
 // only (most desktop CPUs) the library holds the products of weights in column tiles alone (`kt_rows`, 8 lanes);
-// with neither, none. `jaxspec_vectorised` says which, and cpu_kernel.py runs XLA's forms for the rest: plain loops
-// in the kernels' place made AR decode 4x slower than XLA's (16.7 against 70.8 tokens/s, this file built with
-// -march=haswell on the 2-core EPYC VM, where AVX-512 decodes 95.9).
+// with neither, none. `jaxspec_vectorised` says which, and jaxspec/kernels/cpu.py runs XLA's forms for the rest:
+// plain loops in the kernels' place made AR decode several times slower than XLA's forms (this file built with
+// -march=haswell; docs/benchmarks/cpu.md, "Which CPUs run jaxspec's kernels").
 extern "C" int jaxspec_vectorised() {  // 2: every kernel; 1: column tiles only; 0: none
 #if defined(__AVX512F__)
   return 2;
@@ -392,7 +392,7 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
 #endif  // JAXSPEC_AVX512 (packed weights)
 
 // Float32 products with few input rows: y[M, N] = x[M, K] @ W, W stored [K, N] (a Linear's kernel), in column
-// tiles [T, K, 48] (a Linear's kernel as `jaxspec.load` keeps it on a CPU: cpu_kernel.tile; float32 or
+// tiles [T, K, 48] (a Linear's kernel as `jaxspec.load` keeps it on a CPU: cpu.tile; float32 or
 // bfloat16) or [N, K] (a tied embedding used as the LM head). XLA:CPU's product reads W once for one row (a
 // matrix-vector product) but, for 2 to a few dozen rows, packs W into its GEMM layout on every call, so a 2-row
 // product costs two 1-row ones and a 5-node tree verify twice a decode step. These tiles read W once for all rows.
@@ -407,13 +407,13 @@ struct Dense {
   const float* row(int64_t n) const { return w + (idx ? std::clamp<int64_t>(idx[n], 0, V - 1) : n) * K; }
 };
 
-constexpr int64_t kTile = 48;  // columns of a column tile (cpu_kernel.TILE)
+constexpr int64_t kTile = 48;  // columns of a column tile (cpu.TILE in jaxspec/kernels/cpu.py)
 
 #if defined(JAXSPEC_AVX512)
 // W [K, N]: outputs [j0, j0 + 64) x input rows [m0, m0 + R) over the block of inputs [k0, k0 + KB), sums in
 // registers (y holds the running sum between blocks). While a block is multiplied, the same tile of the next block is
-// prefetched into L2, so W's strided tile reads never wait on memory. Measured against reading W's rows
-// contiguously with the sums in L1 instead: 1.1x (5 rows) to 1.4x (9 rows) faster (2-core Xeon).
+// prefetched into L2, so W's strided tile reads never wait on memory. This timed faster than reading W's rows
+// contiguously with the sums in L1, the more so the more rows (bench/cpu/cpu_matmul.py times these products).
 constexpr int64_t kKB = 32;
 
 template <int R>
@@ -476,11 +476,11 @@ void kn_rows(const Dense& p, int64_t n0, int64_t n1) {
 // input rows [m0, m0 + R), each sum over all of K in a register. A tile is one contiguous stream of K x 192
 // bytes, which the core reads at memory speed, where a [K, N] tile is K pieces a row apart. Three columns of
 // vectors leave registers for up to 9 rows (27 sums), so a 9-node verify reads each weight once, and at the
-// same speed as a decode step. Measured on the 2-core EPYC VM (30 layers of SmolLM2's gate and up, both
-// threads): 1 / 9 / 17 rows in 2.4 / 2.5 / 4.2 ms against 3.8 / 5.3 / 6.9 ms for kn_rows on [K, N].
+// same speed as a decode step, and faster than kn_rows on [K, N] for a decode step and a verify alike
+// (bench/cpu/cpu_matmul.py times both; bench/cpu/tiles.py what the tiles buy in decoding).
 
 // Tiles may hold bfloat16 (`wh`): the weights of a bfloat16 checkpoint, kept so when every value is one
-// (cpu_kernel.tile). Widening a bfloat16 to float32 is exact (its 16 bits become the high half), so the sums are
+// (cpu.tile). Widening a bfloat16 to float32 is exact (its 16 bits become the high half), so the sums are
 // the float32 tiles' own, bit for bit, from half the bytes.
 template <bool BF16>
 inline __m512 tile_vector(const Dense& p, int64_t at) {
@@ -544,10 +544,9 @@ void kt_rows(const Dense& p, int64_t n0, int64_t n1) {
 // W [N, K]: outputs [n0, n0 + NR) x input rows [m0, m0 + R), dot products over k, 16 inputs at a time. Row
 // pointers and sizes are read into locals first and the closing sums are unrolled: otherwise the compiler,
 // unsure that the stores do not alias `p`, keeps the sums in memory and reloads p's fields in the inner loop
-// (measured: 1.4x slower on one core). The rows two tiles on are prefetched, spread over the tile's G row
-// groups (group g fetches the g-th share of their inputs), so memory keeps streaming while later groups
-// reread this tile from L1 (SmolLM2's head at 9 rows inside a round: 6.1-6.8 ms, was 7.8-8.0 with every
-// prefetch in the first group).
+// (measurably slower). The rows two tiles on are prefetched, spread over the tile's G row groups (group g
+// fetches the g-th share of their inputs), so memory keeps streaming while later groups reread this tile from
+// L1 (SmolLM2's head at 9 rows inside a round ran faster this way than with every prefetch in the first group).
 template <int NR, int R>
 void nk_tile(const Dense& p, int64_t n0, int64_t m0, int64_t g, int64_t G) {
   const int64_t K = p.K, N = p.N, lo = K * g / G, share = K * (g + 1) / G - lo;
@@ -613,10 +612,9 @@ inline void nk_one(const Dense& p, int64_t n) {
 
 // Tiles of 4 outputs x up to 6 input rows (24 sums in registers), the rows split evenly (13 = 4 + 4 + 5, not
 // 6 + 6 + 1): later groups reread the tile's 4 weight rows from L1. One input row over all of W reads it as one
-// stream (`nk_one`). SmolLM2's tied [49152, 576] head at 1 row, alternating builds on the EPYC VM: 4-output
-// tiles 1.86 ms, 8-output 1.60; in two later spells 8-output tiles 1.40 / 2.39 ms against one stream
-// 1.17 / 2.03 (the same weight in column tiles: 0.98 / 1.93). Gathered rows (a draft vocabulary) are no
-// stream and keep the tiles: 8 outputs a tile measured no faster there (0.15 ms for 8192 rows either way).
+// stream (`nk_one`): for SmolLM2's tied [49152, 576] head at 1 row, one stream beat tiles of 4 and of 8
+// outputs (docs/benchmarks/cpu.md, "The three cuts"). Gathered rows (a draft vocabulary) are no stream and
+// keep the tiles: 8 outputs a tile were no faster there.
 void nk_rows(const Dense& p, int64_t n0, int64_t n1) {
   const int64_t groups = (p.M + 5) / 6;
   if (p.M == 1 && !p.idx) {
@@ -750,8 +748,8 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
 // y_i = x @ W_i: the same sums as one DenseMatmul per weight, with one hand-off to the threads instead of one
 // per weight. Columns are dealt out over the weights laid side by side, each padded to whole tiles (64
 // columns for W_i [K, N_i], 48 for W_i in column tiles [T_i, K, 48]; all weights of a call are one or the other).
-// SmolLM2's decode step makes 120 product calls instead of 210; its AR decodes about 1.1x the tokens/s
-// (medians 49-51 against 44-46, alternating processes on 4 held-out prompts).
+// SmolLM2's decode step makes 120 product calls instead of 210, which made its AR decode faster
+// (docs/benchmarks/cpu.md, "AR's own products on the float kernel").
 ffi::Error DenseMany(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws, ffi::RemainingRets ys) {
   auto xd = x.dimensions();
   if (xd.size() != 2 || ws.size() != ys.size() || ws.size() == 0)
@@ -800,8 +798,9 @@ ffi::Error DenseMany(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Remaini
 
 #if defined(JAXSPEC_AVX512)
 // Row-wise argmax: x [M, V] -> y [M] int32, the first maximum, or the first NaN when a row has one (the rule of
-// jnp.argmax). XLA:CPU forms it from a max reduction and an index reduction over an [M, V] mask it writes out:
-// 1.3 ms for a 9-node verify's [9, 49152] logits inside a round, where this reads each row twice from cache.
+// jnp.argmax). XLA:CPU forms it from a max reduction and an index reduction over an [M, V] mask it writes out,
+// a visible share of a round for a 9-node verify's [9, 49152] logits (docs/benchmarks/cpu.md, "The tree built on
+// the draft vocabulary"); this reads each row twice from cache.
 ffi::Error Argmax(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> y) {
   auto xd = x.dimensions();
   if (xd.size() != 2 || xd[1] < 1 || y->element_count() != xd[0])
@@ -842,7 +841,8 @@ ffi::Error Argmax(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> y) {
 // softcap * tanh(. / softcap) when softcap > 0), softmax in float32; a row that sees nothing averages all
 // T + N values (what a finite -1e30 fill gives; only padding rows). Reference: attention.attend_and_write's
 // XLA form. Why it exists: XLA:CPU spends several small batched products, transposes and a softmax over
-// the whole buffer per layer (about 8 ms of a 9-node verify round of SmolLM2, 2.6 ms of a decode step);
+// the whole buffer per layer (a large share of a SmolLM2 verify round or decode step; docs/benchmarks/cpu.md,
+// "The attention kernel");
 // this reads only the committed slots, once per query group.
 inline __m512 exp512(__m512 x) {  // e^x for x <= 0 (softmax): Cody-Waite range reduction, degree-7 Taylor
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);

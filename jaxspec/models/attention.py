@@ -20,6 +20,7 @@ from jaxspec.config import RopeConfig
 from jaxspec.kernels.xla import NEG_INF
 from jaxspec.models.layers import Linear, RMSNorm, apply_rope, project, rope_inv_freq
 
+
 @dataclass(frozen=True)
 class AttentionSpec:
     """One attention layer's geometry and switches."""

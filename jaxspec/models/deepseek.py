@@ -20,7 +20,7 @@ from flax import nnx
 from jaxspec.cache import Cache, LatentEntry
 from jaxspec.config import ConfigError, RopeConfig, eos_ids
 from jaxspec.models.attention import cache_mask
-from jaxspec.models.layers import Linear, MLP, RMSNorm, embed_rows, finish, lm_logits, param
+from jaxspec.models.layers import MLP, Linear, RMSNorm, embed_rows, finish, lm_logits, param
 from jaxspec.models.mla import MLA, MLARope, MLASpec, absorb_threshold, rope_tables, softmax_scale
 from jaxspec.models.moe import MoE
 from jaxspec.segment import Segment
@@ -69,7 +69,8 @@ def deepseek_config_from_dict(d: dict) -> DeepseekConfig:
     """Parse a DeepSeek-V3 / Kimi K2 / Kimi K2.5 config.json dict."""
     model_type = d.get("model_type")
     if model_type not in DEEPSEEK_TYPES:
-        raise ConfigError(f"model_type {model_type!r} is not an MLA + MoE model; this family reads: {', '.join(DEEPSEEK_TYPES)}")
+        raise ConfigError(f"model_type {model_type!r} is not an MLA + MoE model; "
+                          f"this family reads: {', '.join(DEEPSEEK_TYPES)}")
     if model_type == "kimi_k25":  # VLM: the language model lives in text_config
         text = dict(d.get("text_config") or {})
         if not text:
@@ -166,10 +167,12 @@ class DeepseekLM(nnx.Module):
         self.config = cfg
         H = cfg.hidden_size
         spec = mla_spec(cfg)
-        self.embed_tokens = param(jax.random.normal(rngs.params(), (cfg.vocab_size, H), dtype) * 0.02, ("vocab", "embed"))
+        self.embed_tokens = param(jax.random.normal(rngs.params(), (cfg.vocab_size, H), dtype) * 0.02,
+                                  ("vocab", "embed"))
         self.layers = nnx.List([DecoderLayer(cfg, spec, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(H, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else Linear(H, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs))
 
     def init_cache(self, batch: int, max_len: int) -> Cache:
         c = self.config

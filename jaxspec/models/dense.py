@@ -39,7 +39,8 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = norm()
         self.self_attn = Attention(attention_spec(cfg, layer), dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = norm()
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias, dtype=dtype,
+                       rngs=rngs)
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
@@ -57,10 +58,12 @@ class DenseLM(nnx.Module):
     def __init__(self, cfg: DenseConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = cfg
         H = cfg.hidden_size
-        self.embed_tokens = param(jax.random.normal(rngs.params(), (cfg.vocab_size, H), dtype) * 0.02, ("vocab", "embed"))
+        self.embed_tokens = param(jax.random.normal(rngs.params(), (cfg.vocab_size, H), dtype) * 0.02,
+                                  ("vocab", "embed"))
         self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(H, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, dtype=dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(H, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else Linear(H, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs))
 
     def init_cache(self, batch: int, max_len: int) -> Cache:
         c = self.config

@@ -36,8 +36,8 @@ def block_attention(attn: Attention, x, positions, ctx_k, ctx_v, ctx_mask, ctx_p
     ctx_k, ctx_v: [B, KVH, T, D] context K/V (computed once per committed token); ctx_pos: [B, T]. When
     drafting, ctx_k, ctx_v are the drafter's cache and `length` its committed slots: the block's keys stand
     beside them at slots length.., and the attention reads only the committed slots (`attend_cache`, the CPU
-    kernel: 0.1-0.2 ms of a SmolLM2 round after 128 tokens, 0.5 after 1500, where XLA's form over the whole
-    buffer took 0.3 ms at 256 slots and 0.7-0.9 at 1024 or 2048).
+    kernel, whose cost grows with the committed length where XLA's form pays for the whole buffer;
+    docs/benchmarks/cpu.md, "The drafter's attention on the kernel").
     Training (length None) gives every block its own context mask over one shared sequence."""
     B, N, _ = x.shape
     T = ctx_mask.shape[1]
@@ -107,7 +107,8 @@ class DFlashDrafter(nnx.Module):
         those rows are unchanged, and the head, the drafter's largest product, skips the rest: a tree of b
         nodes is at most b deep, so a small DDTree budget never reads the deep rows. The tree is built on
         the K columns and maps its tokens through the vocabulary (`build_tree(..., ids=)`): spreading them
-        over [depth, V] first made its top-k and softmax read 6x the columns (3 ms of a CPU round).
+        over [depth, V] first made its top-k and softmax read all V columns, a visible share of a CPU round
+        (docs/benchmarks/cpu.md, "The tree built on the draft vocabulary").
         """
         Bk = self.config.block_size
         depth = Bk - 1 if depth is None else depth

@@ -73,7 +73,8 @@ class GDNEntry:
 
     @staticmethod
     def init(batch: int, conv_kernel: int, channels: int, heads: int, dk: int, dv: int, dtype) -> "GDNEntry":
-        return GDNEntry(jnp.zeros((batch, conv_kernel - 1, channels), dtype), jnp.zeros((batch, heads, dk, dv), jnp.float32))
+        return GDNEntry(jnp.zeros((batch, conv_kernel - 1, channels), dtype),
+                        jnp.zeros((batch, heads, dk, dv), jnp.float32))
 
     def advance(self, n) -> "GDNEntry":
         """Adopt the state after the forward's real tokens. The forward folded exactly `segment.lengths`
@@ -157,7 +158,8 @@ def delta_block(q, k, v, g, beta, visible, S0):
     diff = gamma[:, :, None, :] - gamma[:, None, :, :]  # [B, i, j, H]
     decay = jnp.where(visible[..., None], jnp.exp(jnp.where(visible[..., None], diff, 0.0)), 0.0)  # 0 off-path
     # strictly lower in effect: non-ancestors have no decay, and the solve ignores the diagonal
-    L = jnp.einsum("bihd,bjhd->bhij", k, k, precision=_HI) * decay.transpose(0, 3, 1, 2) * beta.transpose(0, 2, 1)[..., None]
+    L = (jnp.einsum("bihd,bjhd->bhij", k, k, precision=_HI) * decay.transpose(0, 3, 1, 2)
+         * beta.transpose(0, 2, 1)[..., None])
     eg = jnp.exp(gamma)  # [B, n, H]
     rhs = beta[..., None] * (v - eg[..., None] * jnp.einsum("bihd,bhde->bihe", k, S0, precision=_HI))
     u = jax.scipy.linalg.solve_triangular(L + jnp.eye(n, dtype=L.dtype), rhs.transpose(0, 2, 1, 3), lower=True,

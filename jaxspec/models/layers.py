@@ -145,9 +145,9 @@ def rope_cos_sin(positions: jax.Array, inv_freq) -> tuple[jax.Array, jax.Array]:
     """positions [B, N] -> float32 (cos, sin) [B, N, 1, D/2] of the rotation angles, broadcast over heads.
 
     The tables are materialised once per call: XLA:CPU otherwise fuses cos and sin into the rotation and
-    evaluates them once per head and half (18x for SmolLM2's 9 query heads), which made RoPE 1 ms of a
-    9-node verify and tens of ms of a prefill. A float32 reduce_precision to float32's own widths changes no
-    value; XLA does not fuse through it.
+    evaluates them once per head and half (18x for SmolLM2's 9 query heads), which made RoPE a visible share
+    of a verify round and of a prefill (docs/benchmarks/cpu.md, "The three cuts"). A float32 reduce_precision
+    to float32's own widths changes no value; XLA does not fuse through it.
     """
     ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [B, N, D/2]
     cs = jax.lax.reduce_precision(jnp.stack([jnp.cos(ang), jnp.sin(ang)]), exponent_bits=8, mantissa_bits=23)

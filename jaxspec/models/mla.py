@@ -14,9 +14,9 @@ of c_kv through `kv_b_proj` (W_UK for k_nope, W_UV for v), so attention has two 
 Per head, the expanded form spends r (dn + dv) per cache slot on the expansion (once per forward) and
 dn + dr + dv per (query, slot); the absorbed form spends r + dr + r per (query, slot) and nothing per slot.
 So absorbed is cheaper while N < r (dn + dv) / (2r - dn - dv): 170 tokens for DeepSeek-V3 and Kimi K2
-(`absorb_threshold`), which covers decode and a budget-64 tree; longer prefill chunks expand. Measured on this
-CPU (bench/mla.py, 16 heads of DeepSeek-V3's shape, 1024 cached slots; expanded time / absorbed time): N = 1:
-10.3, 17: 6.8, 65: 1.9, 256: 0.88.
+(`absorb_threshold`), which covers decode and a budget-64 tree; longer prefill chunks expand. bench/mla.py
+times both forms by N (16 heads of DeepSeek-V3's shape over 1024 cached slots; figures in
+docs/design/mla-moe.md): absorbed is the faster below the threshold, expanded above it.
 
 RoPE: DeepSeek rotates interleaved pairs (2i, 2i+1) and writes the result de-interleaved
 (`apply_rotary_pos_emb_interleave` in transformers' modeling_deepseek_v3.py); q and k get the same
@@ -36,7 +36,8 @@ from jaxspec.cache import LatentEntry
 from jaxspec.models.attention import NEG_INF
 from jaxspec.models.layers import Linear, RMSNorm, rope_cos_sin
 
-LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: HF builds them with the default eps, whatever the config says
+# q_a_layernorm and kv_a_layernorm: HF builds them with the default eps, whatever the config says
+LATENT_NORM_EPS = 1e-6
 
 
 @dataclass(frozen=True)

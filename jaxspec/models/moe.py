@@ -22,9 +22,8 @@ shard them. Two ways to run the routed experts, chosen by the number of (token, 
   * `experts_ragged`: sort the M pairs by expert and run `jax.lax.ragged_dot` (a grouped matmul over
     contiguous groups). Reads each expert once: right for prefill.
 
-Measured on this shared 2-core CPU (bench/moe_experts.py: H 1024, I 256, E 64, k 8; jitted, float32;
-gather time / ragged time): 1 token (8 pairs) 0.14, 4 tokens 0.40, 8 tokens (64 pairs) 1.05, 17 tokens 1.44,
-65 tokens (a budget-64 tree) 1.85, 256 tokens 2.43. So gather up to 64 pairs (decode), ragged above.
+On a CPU gathering wins for few pairs and loses past about 64 (bench/cpu/moe_experts.py times both by token
+count; its figures are in docs/design/mla-moe.md). So gather up to 64 pairs (decode), ragged above.
 """
 from __future__ import annotations
 
@@ -37,7 +36,8 @@ from flax import nnx
 from jaxspec.models import quant
 from jaxspec.models.layers import MLP, Linear, param
 
-GATHER_MAX_PAIRS = 64  # (token, expert) pairs up to which gathering experts is used (the measured crossover)
+GATHER_MAX_PAIRS = 64  # (token, expert) pairs up to which gathering experts is used: the crossover that
+# bench/cpu/moe_experts.py measures
 
 
 def route(x, w_gate, bias, *, top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float):

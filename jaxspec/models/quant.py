@@ -39,8 +39,16 @@ import numpy as np
 from flax import nnx
 
 from jaxspec import kernels
-from jaxspec.checkpoint.packed import (INT4_GROUP, QUANTIZE, PackedTensor, Scheme, check_quantize,  # noqa: F401
-                                       pack_nibbles, quantize, scheme_of)
+from jaxspec.checkpoint.packed import (  # noqa: F401
+    INT4_GROUP,
+    QUANTIZE,
+    PackedTensor,
+    Scheme,
+    check_quantize,
+    pack_nibbles,
+    quantize,
+    scheme_of,
+)
 from jaxspec.kernels.xla import dequantize, unpack_nibbles  # noqa: F401
 from jaxspec.models.axes import param
 

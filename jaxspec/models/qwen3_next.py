@@ -23,8 +23,18 @@ from jaxspec.cache import Cache, KVEntry
 from jaxspec.config import ConfigError, RopeConfig, _rope, eos_ids
 from jaxspec.models.attention import Attention, AttentionSpec, attend_and_write, cache_mask
 from jaxspec.models.gated_deltanet import MODES, GatedDeltaNet, GDNEntry, GDNSpec
-from jaxspec.models.layers import (Linear, MLP, RMSNorm, apply_rope, embed_rows, lm_logits, param,
-                                   finish, project, rope_inv_freq)
+from jaxspec.models.layers import (
+    MLP,
+    Linear,
+    RMSNorm,
+    apply_rope,
+    embed_rows,
+    finish,
+    lm_logits,
+    param,
+    project,
+    rope_inv_freq,
+)
 from jaxspec.models.moe import SparseMoeBlock
 from jaxspec.segment import Segment
 
@@ -199,7 +209,8 @@ class HybridLM(nnx.Module):
     def __init__(self, cfg: HybridConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = cfg
         H = cfg.hidden_size
-        self.embed_tokens = param(jax.random.normal(rngs.params(), (cfg.vocab_size, H), dtype) * 0.02, ("vocab", "embed"))
+        self.embed_tokens = param(jax.random.normal(rngs.params(), (cfg.vocab_size, H), dtype) * 0.02,
+                                  ("vocab", "embed"))
         self.layers = nnx.List([HybridLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(H, cfg.rms_norm_eps, plus_one=True, dtype=dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(H, cfg.vocab_size, ("embed", "vocab"), dtype=dtype,
@@ -208,7 +219,8 @@ class HybridLM(nnx.Module):
     def init_cache(self, batch: int, max_len: int) -> Cache:
         c, s = self.config, gdn_spec(self.config)
         dt = self.embed_tokens.dtype
-        return Cache.init([GDNEntry.init(batch, s.conv_kernel, s.channels, s.num_value_heads, s.key_dim, s.value_dim, dt)
+        return Cache.init([GDNEntry.init(batch, s.conv_kernel, s.channels, s.num_value_heads, s.key_dim, s.value_dim,
+                                         dt)
                            if t == "linear_attention" else KVEntry.init(batch, max_len, c.num_kv_heads, c.head_dim, dt)
                            for t in c.layer_types], batch, max_len)
 

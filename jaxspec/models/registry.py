@@ -3,8 +3,8 @@
 A family is added by registering it here, never by editing the engine: its config parser, its module
 (which brings `init_cache`, the forward over a `Segment`, `embed` and `head`), its HF name table (GGUF
 architectures are rows of `checkpoint.gguf.GGUF_ARCHS`, which rename tensors to HF names and say which
-model_type they become), and the attention geometry a new DFlash drafter takes from the target. Everything else reads a target's
-config through the `TargetConfig` protocol only.
+model_type they become), and the attention geometry a new DFlash drafter takes from the target. Everything
+else reads a target's config through the `TargetConfig` protocol only.
 """
 from __future__ import annotations
 
@@ -15,12 +15,20 @@ from pathlib import Path
 from typing import Any, Callable
 
 from jaxspec.checkpoint import DEEPSEEK_HF_RULES, DENSE_HF_RULES, GEMMA4_HF_RULES, HYBRID_HF_RULES, Rule
-from jaxspec.config import (DENSE_TYPES, ConfigError, DenseConfig, RopeConfig, TargetConfig, dense_config_from_dict,
-                            eos_ids, read_config_json)
+from jaxspec.config import (
+    DENSE_TYPES,
+    ConfigError,
+    DenseConfig,
+    RopeConfig,
+    TargetConfig,
+    dense_config_from_dict,
+    eos_ids,
+    read_config_json,
+)
 from jaxspec.models import deepseek, gemma4
 from jaxspec.models.dense import DenseLM
-from jaxspec.sharding import Layout
 from jaxspec.models.qwen3_next import HYBRID_TYPES, HybridConfig, HybridLM, hybrid_config_from_dict
+from jaxspec.sharding import Layout
 
 
 @dataclass(frozen=True)

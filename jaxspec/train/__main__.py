@@ -18,9 +18,24 @@ import time
 from pathlib import Path
 
 import numpy as np
+from flax import nnx
 
+import jaxspec
 from jaxspec.checkpoint import WeightsError
+from jaxspec.cli import bundled_model
 from jaxspec.config import ConfigError
+from jaxspec.drafter import Drafter, tap_layers
+from jaxspec.kernels import plain
+from jaxspec.train.data import (
+    SOFT_K,
+    Dataset,
+    compute_taps,
+    frequent_tokens,
+    from_text_files,
+    read_prompts,
+    self_distill,
+)
+from jaxspec.train.trainer import TrainConfig, train
 
 
 def parse_args(argv):
@@ -39,7 +54,8 @@ def parse_args(argv):
                     help="answer files from `python -m jaxspec.train.distill` to train on as well")
     ap.add_argument("--heldout", default="heldout", help="prompt .jsonl for the acceptance-length evaluation")
     ap.add_argument("--eval-prompts", type=int, default=4,
-                    help="held-out prompts per evaluation, the last N of --heldout (bench/spec.py takes the first); 0: none")
+                    help="held-out prompts per evaluation, the last N of --heldout (bench/spec.py takes the "
+                         "first); 0: none")
     ap.add_argument("--patience", type=int, default=0,
                     help="stop after N evaluations without a better held-out acceptance (0: run every step)")
     ap.add_argument("--seq-len", type=int, default=256)
@@ -77,12 +93,9 @@ def main(argv=None) -> int:
 
 
 def run(args) -> None:
-    import jaxspec
-    from jaxspec.generate import bundled_model
-    from jaxspec.train.data import Dataset, compute_taps, frequent_tokens, from_text_files, read_prompts, self_distill
-    from jaxspec.train.trainer import TrainConfig, train
 
-    for name in ("steps", "batch", "anchors", "seq_len", "num_layers", "num_taps", "ckpt_every", "eval_every", "samples", "gen_batch"):
+    for name in ("steps", "batch", "anchors", "seq_len", "num_layers", "num_taps", "ckpt_every", "eval_every",
+                 "samples", "gen_batch"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.patience < 0 or args.eval_prompts < 0:
@@ -95,7 +108,8 @@ def run(args) -> None:
         try:
             args.tap_layers = tuple(int(i) for i in args.tap_layers.split(","))
         except ValueError:
-            raise ValueError(f"--tap-layers {args.tap_layers!r} is not a comma-separated list of layer numbers") from None
+            raise ValueError(f"--tap-layers {args.tap_layers!r} is not a comma-separated list of layer "
+                             "numbers") from None
         args.num_taps = len(args.tap_layers)
     if args.no_prompts and not args.text and not args.data:
         raise ValueError("nothing to train on: give --text or --data files, or drop --no-prompts")
@@ -204,7 +218,6 @@ def cache_taps(model, data, taps_ids, work: Path, state: dict):
     `work` (on disk, not in memory: about 30 GB for SmolLM2's kept data). Every SAVE_EVERY_S the files are flushed
     and then the rows done are recorded, so an interrupted pass (hours on a CPU) goes on from there when the
     same command is run again, rather than from the start."""
-    from jaxspec.train.data import SOFT_K, compute_taps
 
     N, S = data.tokens.shape
     mode = "r+" if state["rows"] else "w+"
@@ -232,11 +245,7 @@ def cache_taps(model, data, taps_ids, work: Path, state: dict):
 def load_start(args, model, taps_ids):
     """The --init drafter, checked against the shape this run's flags build: a run that goes on training an
     exported drafter on new data (where a CPU cannot afford the taps of all the data at once)."""
-    import jaxspec
-    from flax import nnx
 
-    from jaxspec.drafter import Drafter
-    from jaxspec.kernels import plain
 
     start = jaxspec.load_drafter(args.init, model)  # missing, corrupt or made for another target: a clear error
     c = start.config
@@ -253,7 +262,6 @@ def load_start(args, model, taps_ids):
 
 def read_tap_layers(args, model) -> tuple[int, ...]:
     """The target layers this run taps: --tap-layers, checked against the target, else --num-taps spread."""
-    from jaxspec.drafter import tap_layers
 
     if args.tap_layers is None:
         return tap_layers(model, args.num_taps)
@@ -265,7 +273,6 @@ def read_tap_layers(args, model) -> tuple[int, ...]:
 
 def load_data(path, seq_len: int, vocab_size: int):
     """A `python -m jaxspec.train.distill` file, checked against this run's sequence length and target."""
-    from jaxspec.train.data import Dataset
 
     if not Path(path).is_file():
         raise FileNotFoundError(f"--data file {path} not found; make it with python -m jaxspec.train.distill")

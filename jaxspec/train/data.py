@@ -18,9 +18,9 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from jaxspec.api import encode_prompt, round_up
 from jaxspec.batching import generate_many
-from jaxspec.model import Model
+from jaxspec.decoder import round_up
+from jaxspec.model import Model, encode_prompt
 from jaxspec.segment import Segment
 
 SHIPPED = ("train", "train2", "heldout", "selfinstruct", "selfinstruct2", "selfinstruct3", "selfinstruct4")
@@ -59,7 +59,8 @@ def read_prompt_records(source: str | Path) -> list[dict]:
     else:
         path = Path(source)
         if not path.is_file():
-            raise FileNotFoundError(f"prompt file {path} not found; pass a .jsonl with one {{\"prompt\": ...}} per line")
+            raise FileNotFoundError(f"prompt file {path} not found; "
+                                    "pass a .jsonl with one {\"prompt\": ...} per line")
         text = path.read_text()
     records = []
     for i, line in enumerate(text.splitlines()):

@@ -16,11 +16,16 @@ import json
 import sys
 from pathlib import Path
 
+import jaxspec
+from jaxspec.cli import bundled_model
+from jaxspec.train.data import read_prompts, self_distill
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxspec.train.distill", description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="target: HF dir or .gguf (default: the bundled SmolLM2-135M-Instruct)")
-    ap.add_argument("--prompts", nargs="+", required=True, help="prompt .jsonl files ('train', 'selfinstruct': shipped)")
+    ap.add_argument("--prompts", nargs="+", required=True,
+                    help="prompt .jsonl files ('train', 'selfinstruct': shipped)")
     ap.add_argument("--out", required=True, help=".npz to write")
     ap.add_argument("--samples", type=int, default=1, help="answers per prompt")
     ap.add_argument("--first-sample", type=int, default=0, help="index of the first answer (0: greedy)")
@@ -30,9 +35,6 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     try:
-        import jaxspec
-        from jaxspec.generate import bundled_model
-        from jaxspec.train.data import read_prompts, self_distill
 
         if args.samples < 1 or args.first_sample < 0 or args.seq_len < 2 or args.batch < 1:
             raise ValueError("--samples, --seq-len and --batch must be positive, --first-sample >= 0")

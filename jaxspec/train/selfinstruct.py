@@ -23,7 +23,11 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from jaxspec.model import Model
+import jaxspec
+from jaxspec.api import generate
+from jaxspec.cli import bundled_model
+from jaxspec.model import Model, encode_prompt
+from jaxspec.train.data import read_prompt_records
 
 TASKS = {  # category -> (what to ask for, the noun the reply should be)
     "code": ("small programming tasks or questions (Python, JavaScript, SQL or the shell)", "task"),
@@ -139,7 +143,6 @@ def self_instruct(model: Model, seeds: list[dict], heldout: list[str], count: in
     seeds: shipped prompts with their "category" (the examples shown; none is kept); heldout: prompts no
     result may be a near-copy of; existing: prompts from an earlier run (counted, and not repeated);
     emit(records) receives each round's new prompts as they are kept."""
-    from jaxspec.api import encode_prompt, generate
 
     rng = random.Random(seed + len(existing))
     by_cat = defaultdict(list)
@@ -191,9 +194,6 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     try:
-        import jaxspec
-        from jaxspec.generate import bundled_model
-        from jaxspec.train.data import read_prompt_records
 
         if args.count < 1 or args.batch < 1:
             raise ValueError("--count and --batch must be >= 1")

@@ -36,8 +36,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
-from jaxspec.drafter import Drafter
 from jaxspec.api import generate
+from jaxspec.drafter import Drafter
 from jaxspec.model import Model
 from jaxspec.train.data import Dataset
 
@@ -139,7 +139,8 @@ def train(model: Model, drafter: Drafter, data: Dataset, taps: np.ndarray, cfg: 
     params = drafter.params
     opt_state = opt.init(params)
     mgr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
-    best_mgr = (ocp.CheckpointManager(ckpt_dir / "best", options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
+    best_mgr = (ocp.CheckpointManager(ckpt_dir / "best",
+                                      options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True))
                 if heldout else None)
     best_file = ckpt_dir / "best.json"  # {"step", "acceptance_length"} of the parameters in best/
     best = json.loads(best_file.read_text()) if best_file.exists() else None
@@ -153,7 +154,8 @@ def train(model: Model, drafter: Drafter, data: Dataset, taps: np.ndarray, cfg: 
     mask_id = drafter.config.mask_token_id
 
     def stale(done):  # patience evaluations since the best one
-        return bool(heldout) and cfg.patience > 0 and best is not None and done - best["step"] >= cfg.patience * cfg.eval_every
+        return (bool(heldout) and cfg.patience > 0 and best is not None
+                and done - best["step"] >= cfg.patience * cfg.eval_every)
 
     @jax.jit
     def step_fn(params, opt_state, taps, tokens, loss_mask, anchors, keep, soft):
@@ -171,9 +173,9 @@ def train(model: Model, drafter: Drafter, data: Dataset, taps: np.ndarray, cfg: 
     for step in ([] if stale(start) else bar):
         seqs, anchors, keep = sample_batch(data, step, cfg, Bk)
         labels = tuple(jnp.asarray(x[seqs]) for x in soft) if cfg.soft_weight else None
-        params, opt_state, loss, acc = step_fn(params, opt_state, jnp.asarray(taps[seqs]), jnp.asarray(data.tokens[seqs]),
-                                               jnp.asarray(data.loss_mask[seqs]), jnp.asarray(anchors), jnp.asarray(keep),
-                                               labels)
+        params, opt_state, loss, acc = step_fn(params, opt_state, jnp.asarray(taps[seqs]),
+                                               jnp.asarray(data.tokens[seqs]), jnp.asarray(data.loss_mask[seqs]),
+                                               jnp.asarray(anchors), jnp.asarray(keep), labels)
         seen += int(keep.sum()) * (Bk - 1)
         bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{float(acc):.3f}",
                         tok_s=f"{seen / (time.perf_counter() - t0):.0f}", refresh=False)
@@ -196,7 +198,8 @@ def train(model: Model, drafter: Drafter, data: Dataset, taps: np.ndarray, cfg: 
     mgr.close()
     if heldout and best is not None:
         params = best_mgr.restore(best["step"], args=ocp.args.StandardRestore(params))
-        log(f"keeping the parameters of step {best['step']} (held-out acceptance length {best['acceptance_length']:.2f})")
+        log(f"keeping the parameters of step {best['step']} "
+            f"(held-out acceptance length {best['acceptance_length']:.2f})")
     if best_mgr:
         best_mgr.close()
     return dataclasses.replace(drafter, params=params)

@@ -1,0 +1,238 @@
+"""The decoder: one (model, drafter, settings) and everything between prompt tokens and answer tokens on the
+device: buffer sizing, prefill, the decode loop in chunks (read back between chunks for streaming) and the
+statistics. `jaxspec.generate`, `budget="auto"`'s timing, continuous batching and the benchmarks all decode
+through it, so the engine's calling convention and the buffer sizes are written once.
+
+    dec = Decoder(model, drafter, method="ddtree", budget=8)
+    run = dec.prefill(rows, max_new_tokens=128)        # rows: token lists; compiles once per shape
+    while not dec.finished(run):
+        run = dec.decode(run, dec.count(run) + 16)     # 16 more tokens (per row), then read back
+    dec.tokens(run), dec.stats(run)
+
+AR runs a batch of left-padded rows in lockstep; speculative methods run one row (batched trees are
+[batched-spec]). Buffers come in a few rounded sizes, so a handful of compiled programs serve every prompt.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec import engine
+from jaxspec.drafter import Drafter
+from jaxspec.model import Model
+from jaxspec.sampling import SamplingParams
+from jaxspec.sharding import to_host
+from pallas_kernels.kv_commit import effective_impl
+
+PROMPT_BUCKET = 64  # prompts are padded to a multiple of this (one prefill program per bucket)
+CACHE_BUCKET = 256  # cache buffers are a multiple of this
+
+
+def round_up(n: int, m: int) -> int:
+    """The multiple of m at or above n (at least m): buffer sizes from a few compiled shapes."""
+    return max(m, -(-n // m) * m)
+
+
+def left_pad(rows: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts -> tokens [B, width] with every row's last token at slot width - 1, and each row's first real
+    slot [B] (the engine's `start`)."""
+    tokens = np.zeros((len(rows), width), np.int32)
+    for b, r in enumerate(rows):
+        tokens[b, width - len(r):] = r
+    return tokens, np.array([width - len(r) for r in rows], np.int32)
+
+
+def ar_window(model: Model, batch: int, max_len: int) -> int:
+    """Cache slots a batched AR decode grows by (max_len: no growth).
+
+    Attention reads every slot of the cache each step. At batch 1 the full buffer is small next to the weights
+    and one compile is worth more; in a batch it need not be (the K/V of a few dozen rows can outweigh the
+    weights), so the cache starts with the prompt and grows by 64 slots (one compile per window size, reused
+    across batches)."""
+    cache = jax.eval_shape(lambda: model.module.init_cache(batch, max_len))
+    kv_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params))
+    return 64 if kv_bytes > weight_bytes / 8 else max_len
+
+
+@dataclass(frozen=True)
+class Stats(Mapping):
+    """What a run did. Read as attributes or, for compatibility, as a dict (`res.stats["acceptance_length"]`;
+    fields that do not apply to the method are None and absent from the dict view)."""
+
+    method: str  # ar | dflash | ddtree
+    prompt_tokens: list[int]  # per row
+    new_tokens: int  # generated, over all rows
+    steps: int  # target forwards, the prefill included
+    prefill_s: float  # prefill (and first-call compile) seconds
+    decode_s: float
+    tokens_per_second: float  # decoded tokens (the prefill's first token aside) per decode second
+    acceptance_length: float  # tokens emitted per target forward after the prefill (1.0 for AR)
+    # speculative methods only
+    rounds: int | None = None  # speculative rounds (target verify forwards)
+    budget: int | None = None  # non-root tree nodes per round
+    accepted_length_histogram: list[int] | None = None  # rounds that accepted k draft tokens, k = 0..
+    per_depth_acceptance: list[float] | None = None  # P(accept depth d | accepted depth d - 1)
+    budget_utilisation: float | None = None  # valid tree nodes verified / (rounds x budget)
+    kv_commit: str | None = None  # the KV commit that ran ("xla" | "pallas")
+    lookup: bool | None = None  # prompt lookup competed for the tree's nodes
+    budget_source: str | None = None  # budget="auto": "auto" or why the default was kept
+    predicted_speedup: dict[str, float] | None = None  # budget="auto": AL(b) x AR step / round(b) per budget
+
+    def _present(self) -> list[str]:
+        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._present():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self):
+        return iter(self._present())
+
+    def __len__(self) -> int:
+        return len(self._present())
+
+
+@dataclass
+class Run:
+    """A decode in progress: the engine's state plus what the host needs to size and report it."""
+
+    state: Any  # engine.ARState or engine.SpecState
+    prompt_tokens: list[int]
+    prompt_slots: int  # P: the padded prompt width (AR) or bucket (speculative)
+    full_len: int  # the largest cache a run of this length needs (AR grows towards it by windows)
+    window: int  # AR cache growth (full_len: none)
+    extra: dict = field(default_factory=dict)  # budget="auto"'s choice, reported in the stats
+
+
+class Decoder:
+    """Decoding for one (model, drafter, method, budget, sampling, eos, kv_impl, lookup); see the module doc.
+
+    Arguments are taken as validated (`jaxspec.generate` checks a user's); `budget` is an int for "ddtree"
+    (block_size - 1 for "dflash"), None for "ar"."""
+
+    def __init__(self, model: Model, drafter: Drafter | None = None, *, method: str = "ar", budget: int | None = None,
+                 sampling: SamplingParams = SamplingParams(), eos: tuple[int, ...] | None = None,
+                 kv_impl: str = "xla", lookup: bool = True):
+        self.model, self.drafter, self.method, self.budget = model, drafter, method, budget
+        self.sampling = sampling
+        self.kv_commit = effective_impl(kv_impl)  # what the commit really runs (the stats say it)
+        self.eos = tuple(eos) if eos is not None else (model.eos_token_ids or (-1,))
+        self.settings = None
+        if method != "ar":
+            dc = drafter.config
+            self.settings = engine.SpecSettings(method, budget, dc.block_size, dc.target_layer_ids, sampling,
+                                                self.eos, kv_impl, model.layout, drafter.layout, bool(lookup))
+
+    # ------------------------------------------------------------------------------ sizing
+
+    def spec_max_len(self, length: int, max_new_tokens: int) -> int:
+        """Cache slots for a speculative run: the last round starts at L <= length + max_new - 2 and writes
+        1 + budget tree slots (target) and up to max(1 + budget, block_size) context rows (drafter) from
+        there; scratch slots past the model's context are fine."""
+        P = round_up(length, PROMPT_BUCKET)
+        need = length + max_new_tokens + self.settings.nodes + self.settings.block_size
+        return round_up(max(P, need), CACHE_BUCKET)
+
+    # ------------------------------------------------------------------------------ the loop
+
+    def prefill(self, rows: list[list[int]], max_new_tokens: int, key: jax.Array | None = None) -> Run:
+        """Prefill `rows` (one for speculative methods) and sample each row's first token."""
+        m = self.model
+        key = jax.random.key(0) if key is None else key
+        lens = [len(r) for r in rows]
+        if self.method == "ar":
+            P = round_up(max(lens), PROMPT_BUCKET)
+            tokens, start = left_pad(rows, P)
+            full = round_up(P + max_new_tokens, CACHE_BUCKET)
+            window = ar_window(m, len(rows), full)
+            state = engine.ar_prefill(m.jit_def, m.params, jnp.asarray(tokens), jnp.asarray(start), key,
+                                      jnp.int32(max_new_tokens), max_len=min(full, P + window),
+                                      out_len=round_up(max_new_tokens, 64), sampling=self.sampling, eos=self.eos,
+                                      layout=m.layout)
+            return Run(state, lens, P, full, window)
+        if len(rows) != 1:
+            raise ValueError("speculative decoding runs one prompt at a time; use method='ar' for batches")
+        (r,) = rows
+        P = round_up(len(r), PROMPT_BUCKET)
+        tokens = np.zeros((1, P), np.int32)  # right-padded; the forward is told the real length
+        tokens[0, : len(r)] = r
+        max_len = self.spec_max_len(len(r), max_new_tokens)
+        d = self.drafter
+        state = engine.spec_prefill(m.jit_def, m.params, d.jit_def, d.params, jnp.asarray(tokens),
+                                    jnp.int32(len(r)), key, jnp.int32(max_new_tokens), max_len=max_len,
+                                    out_len=round_up(max_new_tokens, 64) + self.settings.round_tokens,
+                                    settings=self.settings)
+        return Run(state, lens, P, max_len, max_len)
+
+    def decode(self, run: Run, stop: int) -> Run:
+        """Decode until every row is done or `count(run)` reaches `stop` (one round may overshoot it)."""
+        m, s = self.model, run.state
+        if self.method != "ar":
+            d = self.drafter
+            run.state = engine.spec_decode(m.jit_def, m.params, d.jit_def, d.params, s, jnp.int32(stop),
+                                           settings=self.settings)
+            return run
+        while True:  # AR grows the cache by windows: token n is written at slot P + n - 1
+            room = s.cache.max_len - run.prompt_slots + 1
+            s = engine.ar_decode(m.jit_def, m.params, s, jnp.int32(min(stop, room)), sampling=self.sampling,
+                                 eos=self.eos, layout=m.layout)
+            if s.cache.max_len == run.full_len or int(to_host(s.steps)) >= stop or bool(np.all(to_host(s.done))):
+                run.state = s
+                return run
+            s = engine.ar_reslot(s, jnp.int32(0), max_len=min(run.full_len, s.cache.max_len + run.window),
+                                 layout=m.layout)
+
+    def count(self, run: Run) -> int:
+        """Tokens so far: per row in lockstep (AR), or emitted (speculative)."""
+        return int(to_host(run.state.steps if self.method == "ar" else run.state.emitted))
+
+    def finished(self, run: Run) -> bool:
+        return bool(np.all(to_host(run.state.done)))
+
+    def tokens(self, run: Run) -> list[list[int]]:
+        """Each row's generated tokens (EOS included where sampled)."""
+        out = to_host(run.state.out)
+        if self.method == "ar":
+            n = to_host(run.state.emitted)
+            return [out[b, : n[b]].tolist() for b in range(out.shape[0])]
+        return [out[: int(to_host(run.state.emitted))].tolist()]
+
+    def stats(self, run: Run, prefill_s: float, decode_s: float) -> Stats:
+        ids = self.tokens(run)
+        new_tokens = sum(map(len, ids))
+        decode_tokens = new_tokens - len(ids)  # the first token of each row comes from the prefill
+        common = dict(method=self.method, prompt_tokens=run.prompt_tokens, new_tokens=new_tokens,
+                      prefill_s=prefill_s, decode_s=decode_s,
+                      tokens_per_second=decode_tokens / decode_s if decode_s > 0 else 0.0, **run.extra)
+        s = run.state
+        if self.method == "ar":
+            return Stats(steps=int(to_host(s.steps)), acceptance_length=1.0, **common)
+        rounds = int(to_host(s.rounds))
+        return Stats(steps=rounds + 1, **spec_stats(to_host(s.accepted_hist), rounds, len(ids[0]), self.budget,
+                                                    int(to_host(s.tree_nodes))),
+                     kv_commit=self.kv_commit, lookup=self.settings.lookup, **common)
+
+
+def spec_stats(hist: np.ndarray, rounds: int, emitted: int, budget: int, tree_nodes: int) -> dict:
+    """Acceptance statistics of a speculative run.
+
+    acceptance_length counts the tokens really emitted per round (EOS or max_new_tokens may cut the last
+    round short of its k + 1); the histogram and per-depth rates describe what verification accepted.
+    """
+    reached = np.array([hist[d:].sum() for d in range(len(hist))])  # rounds that accepted >= d drafts
+    return dict(
+        rounds=rounds,
+        budget=budget,
+        acceptance_length=float((emitted - 1) / rounds) if rounds else 0.0,
+        accepted_length_histogram=hist.tolist(),
+        per_depth_acceptance=[float(reached[d] / reached[d - 1]) if reached[d - 1] else 0.0
+                              for d in range(1, len(hist))],
+        budget_utilisation=float(tree_nodes / max(rounds * budget, 1)),
+    )
