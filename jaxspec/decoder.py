@@ -14,6 +14,7 @@ AR runs a batch of left-padded rows in lockstep; speculative methods run one row
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -142,19 +143,31 @@ class Decoder:
 
     # ------------------------------------------------------------------------------ the loop
 
-    def prefill(self, rows: list[list[int]], max_new_tokens: int, key: jax.Array | None = None) -> Run:
-        """Prefill `rows` (one for speculative methods) and sample each row's first token."""
+    @staticmethod
+    def slots_for_queue(prompts: list[list[int]], limits: list[int], chunk: int) -> int:
+        """Cache slots for continuous batching (`refill`, `make_room`): a row's prompt and answer never need more
+        than span slots, a chunk past the newest token `chunk` more, and a refilled prompt its padded width."""
+        span = max(len(r) + m for r, m in zip(prompts, limits))
+        widest = round_up(max(map(len, prompts)), PROMPT_BUCKET)
+        return max(round_up(span + chunk, 32), widest)  # attention reads every slot: no more than needed
+
+    def prefill(self, rows: list[list[int]], max_new_tokens: int | list[int], key: jax.Array | None = None, *,
+                max_len: int | None = None, out_len: int | None = None) -> Run:
+        """Prefill `rows` (one for speculative methods) and sample each row's first token. max_new_tokens: one
+        limit or one per row (AR). max_len / out_len: fixed cache and output sizes (continuous batching, which
+        slides rows instead of growing the cache) instead of the ones sized for max_new_tokens."""
         m = self.model
         key = jax.random.key(0) if key is None else key
         lens = [len(r) for r in rows]
         if self.method == "ar":
+            most = max_new_tokens if isinstance(max_new_tokens, int) else max(max_new_tokens)
             P = round_up(max(lens), PROMPT_BUCKET)
             tokens, start = left_pad(rows, P)
-            full = round_up(P + max_new_tokens, CACHE_BUCKET)
-            window = ar_window(m, len(rows), full)
+            full = max(max_len, P) if max_len else round_up(P + most, CACHE_BUCKET)
+            window = full if max_len else ar_window(m, len(rows), full)
             state = engine.ar_prefill(m.jit_def, m.params, jnp.asarray(tokens), jnp.asarray(start), key,
-                                      jnp.int32(max_new_tokens), max_len=min(full, P + window),
-                                      out_len=round_up(max_new_tokens, 64), sampling=self.sampling, eos=self.eos,
+                                      jnp.asarray(max_new_tokens, jnp.int32), max_len=min(full, P + window),
+                                      out_len=out_len or round_up(most, 64), sampling=self.sampling, eos=self.eos,
                                       layout=m.layout)
             return Run(state, lens, P, full, window)
         if len(rows) != 1:
@@ -179,6 +192,10 @@ class Decoder:
             run.state = engine.spec_decode(m.jit_def, m.params, d.jit_def, d.params, s, jnp.int32(stop),
                                            settings=self.settings)
             return run
+        if run.window >= run.full_len:  # one buffer for the whole run
+            run.state = engine.ar_decode(m.jit_def, m.params, s, jnp.int32(stop), sampling=self.sampling,
+                                         eos=self.eos, layout=m.layout)
+            return run
         while True:  # AR grows the cache by windows: token n is written at slot P + n - 1
             room = s.cache.max_len - run.prompt_slots + 1
             s = engine.ar_decode(m.jit_def, m.params, s, jnp.int32(min(stop, room)), sampling=self.sampling,
@@ -188,6 +205,34 @@ class Decoder:
                 return run
             s = engine.ar_reslot(s, jnp.int32(0), max_len=min(run.full_len, s.cache.max_len + run.window),
                                  layout=m.layout)
+
+    def refill(self, run: Run, slots: list[int], prompts: list[list[int]], limits: list[int]) -> list[int]:
+        """Continuous batching (AR): `prompts` enter the finished rows `slots`, prefilled so that each ends where
+        the other rows' tokens end (the live rows slide right first where a prompt is longer), with `limits` new
+        tokens each. Groups are padded to a power of two (few distinct compiles). Returns their first tokens."""
+        m, n = self.model, len(prompts)
+        B = run.state.last.shape[0]
+        R = 1 << math.ceil(math.log2(n))
+        P = round_up(max(map(len, prompts)), PROMPT_BUCKET)
+        rows = slots + [B] * (R - n)  # index B: padding, dropped by ar_refill
+        tokens, start = left_pad(prompts + [prompts[0]] * (R - n), P)
+        length = int(to_host(run.state.cache.length))
+        if length < P:  # the new prompts must end at `length`: slide everything right
+            run.state = engine.ar_reslot(run.state, jnp.int32(length - P), max_len=run.state.cache.max_len,
+                                         layout=m.layout)
+        run.state, first = engine.ar_refill(m.jit_def, m.params, run.state, jnp.asarray(rows, jnp.int32),
+                                            jnp.asarray(tokens), jnp.asarray(start),
+                                            jnp.asarray(list(limits) + [1] * (R - n), jnp.int32),
+                                            sampling=self.sampling, eos=self.eos, layout=m.layout)
+        return to_host(first)[:n].tolist()
+
+    def make_room(self, run: Run, live: list[int], tokens: int) -> None:
+        """Continuous batching: slide the live rows' tokens to the front of the cache where `tokens` more would
+        not fit behind them."""
+        cache = run.state.cache
+        if int(to_host(cache.length)) + tokens > cache.max_len:
+            shift = int(to_host(cache.start)[live].min())
+            run.state = engine.ar_reslot(run.state, jnp.int32(shift), max_len=cache.max_len, layout=self.model.layout)
 
     def count(self, run: Run) -> int:
         """Tokens so far: per row in lockstep (AR), or emitted (speculative)."""

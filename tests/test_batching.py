@@ -46,6 +46,18 @@ def test_greedy_answers_equal_generate_alone(family):
     assert any(len(w) < m for w, m in zip(want, limits)), "no answer stopped at EOS"
 
 
+def test_a_refill_wider_than_the_first_prompts():
+    """A waiting prompt whose padded width (65 tokens: 128 slots) exceeds what the first prompts and the limits
+    alone would size the cache for: it enters a freed row like any other, and its answer is generate's."""
+    model = tiny_target("qwen3")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in (5, 5, 65)]
+    limits = [3, 3, 5]
+    want = [jaxspec.generate(model, input_ids=p, method="ar", max_new_tokens=m).token_ids
+            for p, m in zip(prompts, limits)]
+    assert generate_many(model, prompts, limits, batch=2, chunk=16) == want
+
+
 def test_sampling_is_seeded_and_within_limits():
     model = tiny_target("qwen3")
     rng = np.random.default_rng(1)

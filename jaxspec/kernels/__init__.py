@@ -5,7 +5,9 @@ Model code never asks which machine it is on. It calls
     dense(x, w)              a float product, w [in, out] (or a tied embedding [out, in], `transposed`)
     dense_many(x, ws)        several products over one input (a layer's q, k, v; gate and up)
     packed_matmul(x, ...)    a product over packed int8 / int4 codes (`jaxspec.models.quant`)
+    attention(q, k, v, ...)  attention over a whole KV buffer with a mask (prefill, shared-KV layers)
     cache_attention(q, ...)  the attention of this forward's tokens over a KV cache and themselves
+    latent_attention(q, ...) MLA's absorbed attention over a latent cache (one shared key and value)
     argmax(logits)           the greedy token
 
 each defined by its pure-JAX reference in `xla.py`. A backend implements some of them and leaves the rest
@@ -116,6 +118,16 @@ def packed_matmul(x: jax.Array, codes, scale, offset=None) -> jax.Array:
     rows = x.reshape(-1, x.shape[-1])
     y = cpu.on_cpu(cpu.packed_matmul, xla.packed_matmul, rows, codes, scale, offset)
     return y.reshape(*x.shape[:-1], codes.shape[0])
+
+
+def attention(q, k, v, mask, scale: float, softcap: float | None = None):
+    """q [B, N, H, D] over k, v [B, KVH, T, D] where mask [B, N, T] -> [B, N, H, D] (see xla.attention)."""
+    return xla.attention(q, k, v, mask, scale, softcap)
+
+
+def latent_attention(q, latent, mask, scale: float, value_dim: int):
+    """q [B, N, H, C] over a latent cache [B, T, C] -> [B, H, N, value_dim] (see xla.latent_attention)."""
+    return xla.latent_attention(q, latent, mask, scale, value_dim)
 
 
 def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, softcap: float | None = None):

@@ -34,6 +34,37 @@ def argmax(logits: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(hit, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
 
 
+def attention(q, k, v, mask, scale: float, softcap: float | None = None):
+    """Softmax attention in float32 over a whole KV buffer. q: [B, N, H, D]; k, v: [B, KVH, T, D] (GQA: H a
+    multiple of KVH); mask: [B, N, T] -> [B, N, H, D].
+
+    Each KV head's query group is laid out as one [G * N, D] matrix first, so both products are plain batched
+    matmuls over (row, KV head); XLA:CPU runs the 5-d einsum over (g, n) several times slower. k and v are
+    used as stored: a reshape of the freshly written cache makes XLA copy it every step."""
+    B, N, H, D = q.shape
+    KVH, T = k.shape[1], k.shape[2]
+    G = H // KVH
+    qg = q.reshape(B, N, KVH, G, D).transpose(0, 2, 3, 1, 4).reshape(B, KVH, G * N, D)
+    s = jnp.einsum("bkqd,bktd->bkqt", qg, k, preferred_element_type=jnp.float32) * scale
+    s = s.reshape(B, KVH, G, N, T)
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
+    s = jnp.where(mask[:, None, None, :, :], s, NEG_INF)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype).reshape(B, KVH, G * N, T)
+    o = jnp.einsum("bkqt,bktd->bkqd", p, v, preferred_element_type=jnp.float32)
+    return o.reshape(B, KVH, G, N, D).transpose(0, 3, 1, 2, 4).reshape(B, N, H, D).astype(q.dtype)
+
+
+def latent_attention(q, latent, mask, scale: float, value_dim: int):
+    """MLA's absorbed attention: every head attends over one shared key, the latent row [c_kv | k_pe], and
+    reads one shared value, its first `value_dim` entries (c_kv). q: [B, N, H, C] (W_UK already folded in);
+    latent: [B, T, C]; mask: [B, N, T] -> [B, H, N, value_dim] in q's dtype (heads beside the batch axis:
+    XLA:CPU has no bf16 x bf16 -> f32 dot for the other output order). Softmax in float32, cast back (HF)."""
+    s = jnp.einsum("bnhc,btc->bhnt", q, latent, preferred_element_type=jnp.float32) * scale
+    p = jax.nn.softmax(jnp.where(mask[:, None], s, NEG_INF), axis=-1).astype(latent.dtype)
+    return jnp.einsum("bhnt,btr->bhnr", p, latent[..., :value_dim], preferred_element_type=jnp.float32).astype(q.dtype)
+
+
 def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, softcap: float | None = None):
     """Softmax attention (float32) of q [B, N, H, D] over the committed slots of the cache k_old, v_old
     [B, KVH, T, D] (slot t where t < length and mask[..., t]) and this forward's k_new, v_new [B, N, KVH, D]

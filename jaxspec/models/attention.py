@@ -10,14 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec import kernels
 from jaxspec.cache import KVEntry
 from jaxspec.config import RopeConfig
-from jaxspec.kernels.xla import NEG_INF
 from jaxspec.models.layers import Linear, RMSNorm, apply_rope, project, rope_inv_freq
 
 
@@ -68,23 +66,9 @@ def sliding(mask, positions, key_pos, window):
 
 
 def attend(q, k, v, mask, scale, softcap=None):
-    """Softmax attention in float32. q: [B, N, H, D]; k, v: [B, KVH, T, D]; mask: [B, N, T] -> [B, N, H, D].
-
-    Each KV head's query group is laid out as one [G * N, D] matrix first, so both products are plain batched
-    matmuls over (row, KV head); XLA:CPU runs the 5-d einsum over (g, n) several times slower. k and v are
-    used as stored: a reshape of the freshly written cache makes XLA copy it every step."""
-    B, N, H, D = q.shape
-    KVH, T = k.shape[1], k.shape[2]
-    G = H // KVH
-    qg = q.reshape(B, N, KVH, G, D).transpose(0, 2, 3, 1, 4).reshape(B, KVH, G * N, D)
-    s = jnp.einsum("bkqd,bktd->bkqt", qg, k, preferred_element_type=jnp.float32) * scale
-    s = s.reshape(B, KVH, G, N, T)
-    if softcap:
-        s = softcap * jnp.tanh(s / softcap)
-    s = jnp.where(mask[:, None, None, :, :], s, NEG_INF)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype).reshape(B, KVH, G * N, T)
-    o = jnp.einsum("bkqt,bktd->bkqd", p, v, preferred_element_type=jnp.float32)
-    return o.reshape(B, KVH, G, N, D).transpose(0, 3, 1, 2, 4).reshape(B, N, H, D).astype(q.dtype)
+    """Softmax attention in float32. q: [B, N, H, D]; k, v: [B, KVH, T, D]; mask: [B, N, T] -> [B, N, H, D]
+    (`kernels.attention`)."""
+    return kernels.attention(q, k, v, mask, scale, softcap)
 
 
 def attend_and_write(q, entry: KVEntry, k_new, v_new, length, mask, scale, softcap=None):

@@ -32,8 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxspec import kernels
 from jaxspec.cache import LatentEntry
-from jaxspec.models.attention import NEG_INF
+from jaxspec.kernels.xla import NEG_INF
 from jaxspec.models.layers import Linear, RMSNorm, rope_cos_sin
 
 # q_a_layernorm and kv_a_layernorm: HF builds them with the default eps, whatever the config says
@@ -161,10 +162,7 @@ def attend_absorbed(q_nope, q_pe, latent, mask, w_kvb, spec: MLASpec):
     w_uk, w_uv = w[..., :dn], w[..., dn:]  # [r, nH, dn], [r, nH, dv]
     q_lat = jnp.einsum("bnhd,rhd->bnhr", q_nope, w_uk, preferred_element_type=jnp.float32).astype(q_nope.dtype)
     q = jnp.concatenate([q_lat, q_pe], -1)  # [B, N, nH, r + dr]
-    s = jnp.einsum("bnhc,btc->bhnt", q, latent, preferred_element_type=jnp.float32) * spec.scale
-    p = _softmax(s, mask, latent.dtype)
-    # heads stay beside the batch axis: XLA:CPU has no bf16 x bf16 -> f32 dot for the "bnhr" output order
-    o_lat = jnp.einsum("bhnt,btr->bhnr", p, latent[..., :r], preferred_element_type=jnp.float32).astype(q_nope.dtype)
+    o_lat = kernels.latent_attention(q, latent, mask, spec.scale, r)  # [B, nH, N, r]
     return jnp.einsum("bhnr,rhd->bnhd", o_lat, w_uv, preferred_element_type=jnp.float32).astype(q_nope.dtype)
 
 

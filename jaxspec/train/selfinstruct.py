@@ -24,9 +24,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import jaxspec
-from jaxspec.api import generate
+from jaxspec import api
 from jaxspec.cli import bundled_model
-from jaxspec.model import Model, encode_prompt
+from jaxspec.model import Model
 from jaxspec.train.data import read_prompt_records
 
 TASKS = {  # category -> (what to ask for, the noun the reply should be)
@@ -158,8 +158,8 @@ def self_instruct(model: Model, seeds: list[dict], heldout: list[str], count: in
         new = []
         cat = categories[r % len(categories)]  # one category per batch: passages need longer replies
         jobs = [(cat, rng.choice(TOPICS), rng.sample(by_cat[cat], min(3, len(by_cat[cat])))) for _ in range(batch)]
-        ids = [encode_prompt(model, meta_prompt(*j), True) for j in jobs]
-        res = generate(model, input_ids=ids, method="ar", max_new_tokens=128 if cat == "summaries" else 64,
+        ids = [api.encode_prompt(model, meta_prompt(*j), True) for j in jobs]
+        res = api.generate(model, input_ids=ids, method="ar", max_new_tokens=128 if cat == "summaries" else 64,
                        temperature=temperature, top_p=top_p, seed=seed * 100003 + r)
         for (cat, topic, _), text in zip(jobs, res.text):
             prompt = clean(text, cat, rng)
