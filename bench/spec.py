@@ -37,6 +37,7 @@ import jaxspec  # noqa: E402
 from jaxspec import engine  # noqa: E402
 from jaxspec.budget import timeit  # noqa: E402
 from jaxspec.config import dense_config_from_dict  # noqa: E402
+from jaxspec.drafter import weights_sha256  # noqa: E402
 from jaxspec.model import encode_prompt  # noqa: E402
 from jaxspec.sampling import SamplingParams  # noqa: E402
 from jaxspec.segment import Segment  # noqa: E402
@@ -174,7 +175,7 @@ def main(argv=None):
     if args.save_acceptance:
         table = {str(b): statistics.mean(r["al"] for r in rows[f"ddtree@{b}"]) for b in budgets}
         (Path(args.drafter) / "acceptance.json").write_text(json.dumps(dict(
-            acceptance_length=table,
+            acceptance_length=table, weights_sha256=weights_sha256(args.drafter),
             measured=dict(prompts=f"heldout[:{len(inputs)}]", max_new_tokens=args.max_new_tokens, greedy=True,
                           lookup=args.lookup != "off", date=datetime.date.today().isoformat())), indent=2) + "\n")
         print(f"wrote {Path(args.drafter) / 'acceptance.json'}")

@@ -10,13 +10,12 @@ import numpy as np
 
 from jaxspec.budget import choose as choose_budget
 from jaxspec.decoder import Decoder, Stats
-from jaxspec.drafter import Drafter, check_fits
+from jaxspec.drafter import MAX_BUDGET, Drafter, check_fits
 from jaxspec.model import Model, encode_prompt
 from jaxspec.sampling import SamplingParams
 from pallas_kernels.kv_commit import effective_impl
 
 METHODS = ("ar", "dflash", "ddtree")
-MAX_BUDGET = 1024
 
 
 @dataclass

@@ -7,7 +7,8 @@ factors come from different places:
   * AL(b) belongs to the drafter and its target: measured on held-out prompts and shipped beside the weights
     as `acceptance.json` (`bench/spec.py --save-acceptance` writes it);
   * the costs belong to the machine: an AR step and a round per budget are timed here in the decode loops
-    themselves, once per (target, drafter, backend), and kept in the user's cache directory.
+    themselves, once per (target, drafter, backend, machine; see _key), and kept in the user's cache directory
+    (`costs.json`; in this process's memory alone where that cannot be written).
 
 The budget is the measured table's best entry. A drafter without a table keeps the plain default
 (block_size - 1) and says so in the statistics.
@@ -15,12 +16,18 @@ The budget is the measured table's best entry. A drafter without a table keeps t
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import functools
 import hashlib
+import importlib.metadata
 import json
 import logging
+import math
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +39,18 @@ from jaxspec.model import encode_prompt
 from jaxspec.sampling import SamplingParams
 from jaxspec.usercache import cache_dir
 
+try:
+    import fcntl
+except ImportError:  # no POSIX locks (Windows): costs.json is still replaced whole, by a rename
+    fcntl = None
+
+_log = logging.getLogger(__name__)
+
 COST_CONTEXT = 256  # twice the prompt the costs are timed after (a short chat turn)
-COST_FORMAT = 3  # 1: isolated forwards; 2: decode loops after random tokens; 3: the same after COST_PROMPT
+# 1: isolated forwards; 2: decode loops after random tokens; 3: the same after COST_PROMPT; 4: entries also record
+# their format, measurement count (reps) and date, and the key names the core count, XLA_FLAGS and jaxspec's version
+COST_FORMAT = 4
+COST_REPS = 4  # measure_costs' passes over the budgets for the stored table
 # What the rounds are timed after, where the model has a tokenizer: a user's question, so the rounds accept what
 # they do in use. After random tokens a small target repeats itself and a round accepts far more than in use, so
 # a chunk of `tokens` was one round carrying a whole call's dispatch and read-back, which inflated the round's
@@ -136,38 +153,141 @@ def larger_can_win(acceptance: dict[int, float], round_s: dict[int, float]) -> b
     return max(acceptance.values()) / round_s[max(round_s)] >= best_rate
 
 
+@functools.cache
+def _jaxspec_version() -> str:
+    """The installed jaxspec's version (read from its metadata: importing the package here would be a cycle)."""
+    try:
+        return importlib.metadata.version("jaxspec")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def _key(model, drafter, acceptance, lookup) -> str:
+    """Everything that changes a round's timing: the models and their dtypes, the backend, device kind and count,
+    the host's core count, XLA_FLAGS, the jax and jaxspec versions, the kernels, the table and lookup."""
     dev = jax.devices()[0]
     params = [(str(x.shape), str(x.dtype)) for x in jax.tree.leaves(model.params)]
     kernels = (model.kernels, cpu.build_key() if model.kernels == "cpu" else None)
     parts = [model.config, drafter.config, params, dev.platform, getattr(dev, "device_kind", ""), jax.__version__,
-             jax.device_count(), sorted(acceptance.items()), lookup, COST_CONTEXT, COST_FORMAT, kernels]
+             jax.device_count(), sorted(acceptance.items()), lookup, COST_CONTEXT, COST_FORMAT, kernels,
+             os.cpu_count(), os.environ.get("XLA_FLAGS", ""), _jaxspec_version()]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 
 
-def costs(model, drafter, acceptance: dict[int, float], lookup: bool = True) -> dict:
-    """measure_costs, remembered on disk (the cost of one compile per budget, paid once per machine)."""
-    path = cache_dir() / "costs.json"
-    key = _key(model, drafter, acceptance, lookup)
+def _seconds(x) -> float | None:
+    """x as a positive finite number of seconds, else None (JSON's true/false are not numbers here)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
+        return None
+    return float(x)
+
+
+def _valid_entry(entry) -> dict | None:
+    """A stored cost entry as costs() returns it ({ar_step_s, round_s: {budget: s}}), or None where it is not one
+    this version wrote or cannot be believed: missing fields, another format, non-numbers, zero, negative or
+    non-finite seconds, an empty round table, or a round under half an AR step (a round runs the target's forward
+    over 1 + b tokens and the drafter's as well; a 1e-9 s round would make `auto` pick the largest budget)."""
+    if not isinstance(entry, dict) or entry.get("format") != COST_FORMAT:
+        return None
+    ar = _seconds(entry.get("ar_step_s"))
+    rounds = entry.get("round_s")
+    if ar is None or not isinstance(rounds, dict) or not rounds:
+        return None
+    out = {}
+    for b, s in rounds.items():
+        try:
+            b = int(b)
+        except (TypeError, ValueError):
+            return None
+        s = _seconds(s)
+        if b < 1 or s is None or s < ar / 2:
+            return None
+        out[b] = s
+    return dict(ar_step_s=ar, round_s=out)
+
+
+def _read_table(path: Path, quiet: bool = False) -> dict:
+    """costs.json's valid entries {key: stored entry}; a missing, unreadable or malformed file reads as empty and
+    a malformed entry as absent (each noticed once in the log), so they are timed again and rewritten."""
     try:
         known = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        known = {}
-    if key in known:
-        c = known[key]
-        return dict(ar_step_s=c["ar_step_s"], round_s={int(b): s for b, s in c["round_s"].items()})
-    logging.getLogger(__name__).warning(
-        "jaxspec: timing speculative rounds at budgets %s for budget='auto' (once per machine; kept in %s)",
-        sorted(acceptance), path)
-    c = measure_costs(model, drafter, acceptance, lookup)
-    known[key] = c
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON or bad UTF-8
+        if not quiet:
+            _log.warning("jaxspec: ignoring the budget cost table %s (%s); it will be timed again and rewritten",
+                         path, e)
+        return {}
+    if not isinstance(known, dict):
+        if not quiet:
+            _log.warning("jaxspec: ignoring the budget cost table %s (a JSON %s, not an object); it will be "
+                         "timed again and rewritten", path, type(known).__name__)
+        return {}
+    good = {k: v for k, v in known.items() if _valid_entry(v) is not None}
+    if len(good) < len(known) and not quiet:
+        _log.info("jaxspec: dropping %d stale or malformed entries of %s", len(known) - len(good), path)
+    return good
+
+
+def _write_table(path: Path, key: str, entry: dict) -> None:
+    """Add `entry` under `key` to costs.json: under a lock, the file as it is now (another process may have added
+    its own entries since it was read) plus this entry, written to a temporary file and renamed over it, so
+    concurrent first runs keep each other's keys and no reader ever sees half a file. Raises OSError."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        known = _read_table(path, quiet=True)
+        known[key] = entry
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as fh:
+                fh.write(json.dumps(known, indent=1))
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+# Costs this process measured or read, by (costs.json path, key): where the cache cannot be written, a process
+# still times once.
+_measured: dict[tuple[str, str], dict] = {}
+
+
+def costs(model, drafter, acceptance: dict[int, float], lookup: bool = True) -> dict:
+    """measure_costs, remembered in the user's cache (the cost of one compile per budget, paid once per machine)
+    or, where it cannot be written, for this process.
+
+    An entry records its format, its measurement count and its date, and is used as long as COST_FORMAT is its
+    format: a timing is the median of COST_REPS interleaved passes (measure_costs), and timing again on every
+    disagreement would cost each run a compile per budget, so a noisy entry is kept until the format changes
+    (which re-times every entry) or the user deletes costs.json; the count and the date let a later format
+    decide which entries to trust."""
+    path = cache_dir() / "costs.json"
+    key = _key(model, drafter, acceptance, lookup)
+    if (str(path), key) in _measured:
+        return _measured[str(path), key]
+    stored = _valid_entry(_read_table(path).get(key))
+    if stored is not None and set(stored["round_s"]) <= set(acceptance):
+        _measured[str(path), key] = stored
+        return stored
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(known, indent=1))
-        tmp.replace(path)
+        writable = os.access(path.parent, os.W_OK)
     except OSError:
-        pass  # a read-only home: measure again next time
+        writable = False
+    _log.warning("jaxspec: timing speculative rounds at budgets %s for budget='auto' (%s)", sorted(acceptance),
+                 f"once per machine; kept in {path}" if writable
+                 else f"{path.parent} cannot be written: kept for this process only, timed again by the next")
+    c = measure_costs(model, drafter, acceptance, lookup, reps=COST_REPS)
+    _measured[str(path), key] = c
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    entry = dict(ar_step_s=c["ar_step_s"], round_s={str(b): s for b, s in c["round_s"].items()},
+                 format=COST_FORMAT, reps=COST_REPS, measured=now)
+    try:
+        _write_table(path, key, entry)
+    except OSError as e:
+        if writable:  # said "kept in" above
+            _log.warning("jaxspec: could not save the budget costs to %s (%s); kept for this process only", path, e)
     return c
 
 

@@ -74,7 +74,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                   help="float weights' dtype (default: float32, or a converted model's own)")
     p.add_argument("--quantize", choices=("int8", "int4", "native"), default=None,
                    help="keep weights packed: int8 (per channel), int4 (groups of 32), "
                         "native (a GGUF's Q4_0/Q4_1/Q8_0)")

@@ -298,6 +298,9 @@ def drafter_config_from_dict(d: dict) -> DrafterConfig:
         taps = default_target_layer_ids(n_target, L)
     rp = d.get("rope_parameters") or {**(d.get("rope_scaling") or {}), "rope_theta": d.get("rope_theta", 1e6)}
     layer_types = tuple(d.get("layer_types") or ["full_attention"] * L)
+    if len(layer_types) != L:
+        raise ConfigError(f"drafter config.json has num_hidden_layers {L} but {len(layer_types)} layer_types; "
+                          "set num_hidden_layers to the layers in its weights and give layer_types one entry per layer")
     return DrafterConfig(
         hidden_size=H,
         intermediate_size=int(d["intermediate_size"]),

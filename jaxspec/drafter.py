@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
+import logging
+import math
 import os
 import shutil
 import tempfile
@@ -14,7 +17,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from jaxspec.checkpoint import DFLASH_ZLAB_RULES, WeightsError, load_params, read_safetensors
+from jaxspec.checkpoint import DFLASH_ZLAB_RULES, WeightsError, load_params, read_safetensors, safetensors_files
 from jaxspec.config import ConfigError, DrafterConfig, default_target_layer_ids, drafter_config_from_dict
 from jaxspec.kernels import plain, prepare, resolve
 from jaxspec.model import Model, StaticDef
@@ -23,6 +26,7 @@ from jaxspec.sharding import Layout
 
 MAX_BLOCK_SIZE = 64
 ACCEPTANCE_FILE = "acceptance.json"  # beside the weights: {budget: acceptance length} (budget.py)
+MAX_BUDGET = 1024  # the largest DDTree budget: generate's `budget` range [1, MAX_BUDGET] (jaxspec.api)
 
 
 @dataclass(eq=False)
@@ -77,8 +81,9 @@ class Drafter:
         try:
             (tmp / "config.json").write_text(json.dumps(self.config.to_hf_dict(), indent=2))
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            if self.acceptance:
-                table = {"acceptance_length": {str(b): al for b, al in sorted(self.acceptance.items())}}
+            if self.acceptance:  # tied to the weights just written: a table of other weights is not read
+                table = {"acceptance_length": {str(b): al for b, al in sorted(self.acceptance.items())},
+                         "weights_sha256": weights_sha256(tmp)}
                 (tmp / ACCEPTANCE_FILE).write_text(json.dumps(table, indent=2) + "\n")
             if path.exists():
                 shutil.rmtree(path)
@@ -87,18 +92,58 @@ class Drafter:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def weights_sha256(path) -> str:
+    """The sha256 of a drafter dir's safetensors bytes (its model.safetensors, or its shards in index order):
+    what acceptance.json's "weights_sha256" records, so a table measured with other weights is not used."""
+    h = hashlib.sha256()
+    for f in safetensors_files(Path(path)):
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
 def read_acceptance(path: Path) -> dict[int, float] | None:
-    """A drafter dir's acceptance table {budget: acceptance length}, or None if it ships none."""
+    """A drafter dir's acceptance table {budget: acceptance length}, or None if it ships none.
+
+    Every budget must be one `generate` accepts ([1, MAX_BUDGET]) and every acceptance length finite and
+    within [1, 1 + budget]: a round of budget b commits at most its b drafted tokens and the target's bonus
+    token. The table's tie to the weights ("weights_sha256") is checked by load_drafter."""
     f = Path(path) / ACCEPTANCE_FILE
     if not f.is_file():
         return None
+    fix = "regenerate it with bench/spec.py --save-acceptance or delete it"
     try:
         table = {int(b): float(al) for b, al in json.loads(f.read_text())["acceptance_length"].items()}
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
-        raise ValueError(f"{f} is not an acceptance table ({e}); regenerate it with bench/spec.py --save-acceptance "
-                         "or delete it") from e
-    if not table or any(b < 1 or al < 1 for b, al in table.items()):
-        raise ValueError(f"{f} holds no valid entries (budgets >= 1, acceptance lengths >= 1)")
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError, RecursionError) as e:
+        raise ValueError(f"{f} is not an acceptance table ({e}); {fix}") from e
+    if not table:
+        raise ValueError(f"{f} holds no valid entries (budgets >= 1, acceptance lengths >= 1); {fix}")
+    for b, al in sorted(table.items()):
+        if not 1 <= b <= MAX_BUDGET:
+            raise ValueError(f"{f} holds budget {b}, outside [1, {MAX_BUDGET}]; {fix}")
+        if not (math.isfinite(al) and 1 <= al <= 1 + b):
+            raise ValueError(f"{f} gives budget {b} the acceptance length {al}, outside [1, {1 + b}] (a round "
+                             f"commits at most its budget's drafts and one more token); {fix}")
+    return table
+
+
+def _acceptance_for(path: Path) -> dict[int, float] | None:
+    """read_acceptance, or None (with a warning) where the table records weights other than the dir's own."""
+    table = read_acceptance(path)
+    if table is None:
+        return None
+    f = path / ACCEPTANCE_FILE
+    recorded = json.loads(f.read_text()).get("weights_sha256")
+    if recorded is None:  # tables written before the field: still used
+        return table
+    actual = weights_sha256(path)
+    if recorded != actual:
+        logging.getLogger(__name__).warning(
+            "jaxspec: ignoring %s: it was measured with other weights (weights_sha256 %s, the weights' is %s); "
+            "budget='auto' keeps the default budget until it is regenerated with bench/spec.py --save-acceptance",
+            f, str(recorded)[:16], actual[:16])
+        return None
     return table
 
 
@@ -147,7 +192,7 @@ def load_drafter(path, model: Model) -> Drafter:
                          DFLASH_ZLAB_RULES, what="drafter checkpoint")
     drafter = Drafter.from_module(module, model)  # in its target's weight layout, as its target
     return dataclasses.replace(drafter, params=prepare(drafter.params, drafter.kernels),
-                               acceptance=read_acceptance(path))
+                               acceptance=_acceptance_for(path))
 
 
 def _read_draft_vocab(path: Path, size: int) -> tuple[int, ...]:

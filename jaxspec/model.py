@@ -17,7 +17,7 @@ from jaxspec.checkpoint import WeightsError, load_params, read_gguf, read_safete
 from jaxspec.checkpoint.compressed_tensors import maybe_dequantize, packed_schemes
 from jaxspec.checkpoint.core import rule_target
 from jaxspec.checkpoint.gguf import native_schemes
-from jaxspec.checkpoint.orbax import is_converted, read_packing, restore_params
+from jaxspec.checkpoint.orbax import is_converted, read_dtype, read_packing, restore_params
 from jaxspec.config import ConfigError, TargetConfig, read_config_json
 from jaxspec.kernels import plain, prepare, resolve, use
 from jaxspec.models import quant
@@ -167,11 +167,13 @@ def random_model(config: TargetConfig, *, seed: int = 0, dtype="float32", tokeni
     return model if mesh is None else model.on_mesh(mesh)
 
 
-def load(path, dtype="float32", *, mesh: Mesh | None = None, tokenizer: bool = True,
+def load(path, dtype=None, *, mesh: Mesh | None = None, tokenizer: bool = True,
          quantize: str | None = None, kernels: str = "auto") -> Model:
     """Load a target from a HF directory (config.json + safetensors [+ index]), a .gguf file, or a directory
     converted by `python -m checkpoints_convert` (Orbax parameters).
 
+    dtype: "float32" or "bfloat16" for the float weights; None: float32, or for a converted directory the dtype
+    it was converted in.
     mesh (jaxspec.make_mesh): each tensor goes straight into its shards as it is read.
     quantize: None keeps every weight float (`dtype`); "int8" (one scale per output channel) and "int4" (one
     scale per 32 inputs), both round-to-nearest symmetric, pack every projection, the stacked experts and the
@@ -185,7 +187,7 @@ def load(path, dtype="float32", *, mesh: Mesh | None = None, tokenizer: bool = T
     quant.check_quantize(quantize)
     backend = resolve(kernels, sharded=mesh is not None)
     path = Path(path)
-    dt = parse_dtype(dtype)
+    dt = parse_dtype("float32" if dtype is None else dtype)
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist; pass a HF model directory or a .gguf file")
     if path.is_file() and path.suffix == ".gguf":
@@ -197,6 +199,8 @@ def load(path, dtype="float32", *, mesh: Mesh | None = None, tokenizer: bool = T
     elif path.is_dir() and is_converted(path):  # python -m checkpoints_convert: Orbax, restored into the shards
         cfg = load_config(path)
         layout = _layout(cfg, mesh)
+        if dtype is None:  # the dtype it was converted in (float32 for directories that do not record one)
+            dt = parse_dtype(read_dtype(path) or "float32")
         module = _restore(cfg, path, dt, layout, quantize)
         tok = _tokenizer(path) if tokenizer else None
     elif path.is_dir():

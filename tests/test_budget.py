@@ -1,6 +1,10 @@
 """budget="auto": the best measured entry of the drafter's acceptance table at this machine's costs."""
 import dataclasses
+import importlib.metadata
 import json
+import logging
+import math
+import os
 
 import numpy as np
 import pytest
@@ -39,9 +43,25 @@ def test_read_acceptance(tmp_path):
     (tmp_path / "acceptance.json").write_text("{not json")
     with pytest.raises(ValueError, match="bench/spec.py --save-acceptance"):
         read_acceptance(tmp_path)
-    (tmp_path / "acceptance.json").write_text(json.dumps({"acceptance_length": {"0": 1.8}}))
+    (tmp_path / "acceptance.json").write_text(json.dumps({"acceptance_length": {}}))
     with pytest.raises(ValueError, match="no valid entries"):
         read_acceptance(tmp_path)
+
+
+@pytest.mark.parametrize("table", [{"0": 1.8}, {"1025": 2.0}, {"100000": 2.0}, {"4": math.nan}, {"4": math.inf},
+                                   {"4": 0.5}, {"2": 50.0}, {"2": 3.01}, {"4": 1.8, "-1": 1.0}])
+def test_read_acceptance_refuses_impossible_tables(tmp_path, table):
+    """Budgets as generate's `budget` accepts them ([1, 1024]); acceptance lengths finite, in [1, 1 + budget]."""
+    f = tmp_path / "acceptance.json"
+    f.write_text(json.dumps({"acceptance_length": table}))  # NaN / Infinity as Python's json writes them
+    with pytest.raises(ValueError, match="bench/spec.py --save-acceptance") as e:
+        read_acceptance(tmp_path)
+    assert str(f) in str(e.value)
+
+
+def test_read_acceptance_edges(tmp_path):
+    (tmp_path / "acceptance.json").write_text(json.dumps({"acceptance_length": {"1": 1.0, "2": 3.0, "1024": 9.5}}))
+    assert read_acceptance(tmp_path) == {1: 1.0, 2: 3.0, 1024: 9.5}
 
 
 def test_auto_measures_once_and_stays_lossless(tmp_path, monkeypatch):
@@ -65,7 +85,8 @@ def test_auto_measures_once_and_stays_lossless(tmp_path, monkeypatch):
     assert set(c["round_s"]) == set(res.stats["predicted_speedup"]) and c["ar_step_s"] > 0
     assert min(c["round_s"].values()) > 0
 
-    monkeypatch.setattr(budget_mod, "measure_costs", lambda *a: pytest.fail("costs were not read from the cache"))
+    monkeypatch.setattr(budget_mod, "measure_costs", lambda *a, **k: pytest.fail("costs were not read from the cache"))
+    monkeypatch.setattr(budget_mod, "_measured", {}, raising=False)  # as a new process: from the file
     again = jaxspec.generate(m, input_ids=PROMPT, drafter=d, budget="auto", max_new_tokens=24)
     assert again.stats["budget"] == res.stats["budget"]
 
@@ -105,3 +126,130 @@ def test_costs_are_timed_after_text(monkeypatch):
     assert seen == [[ord(c) % 128 for c in budget_mod.COST_PROMPT][-(budget_mod.COST_CONTEXT // 2):]]
     plain = budget_mod.cost_prompt(m, 16)
     assert len(plain) == 16 and all(0 <= t < m.config.vocab_size for t in plain)
+
+
+TABLE = {2: 1.5, 6: 1.9}
+FAKE = dict(ar_step_s=0.01, round_s={2: 0.012, 6: 0.02})
+
+
+@pytest.fixture
+def fake_timing(tmp_path, monkeypatch):
+    """A cache in tmp_path, a fresh process's memory, and measure_costs replaced by a counter returning FAKE:
+    (model, drafter, costs.json path, calls)."""
+    monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(budget_mod, "_measured", {}, raising=False)
+    calls = []
+
+    def fake(*args, **kwargs):
+        calls.append(1)
+        return dict(ar_step_s=FAKE["ar_step_s"], round_s=dict(FAKE["round_s"]))
+
+    monkeypatch.setattr(budget_mod, "measure_costs", fake)
+    m = tiny_target("qwen3")
+    return m, jaxspec.init_drafter(m, num_layers=1, block_size=8, seed=3), tmp_path / "cache" / "costs.json", calls
+
+
+def stored(path, key):
+    entry = json.loads(path.read_text())[key]
+    assert entry["format"] == budget_mod.COST_FORMAT and entry["reps"] >= 2 and entry["measured"]
+    return entry
+
+
+@pytest.mark.parametrize("text", ["null", "3", "[]", "[1, 2]", '"costs"', "true", "{not json", "bad utf-8"])
+def test_bad_cost_file_reads_as_empty(fake_timing, monkeypatch, text, caplog):
+    """A costs.json that is no JSON object is noticed, re-timed and rewritten, never a traceback."""
+    m, d, path, calls = fake_timing
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if text == "bad utf-8":
+        path.write_bytes(b"\xff\xfe{")
+    else:
+        path.write_text(text)
+    key = budget_mod._key(m, d, TABLE, True)
+    with caplog.at_level(logging.WARNING, "jaxspec.budget"):
+        assert budget_mod.costs(m, d, TABLE) == FAKE
+    assert calls == [1] and "ignoring the budget cost table" in caplog.text
+    assert stored(path, key)["round_s"] == {"2": 0.012, "6": 0.02}
+
+
+def entry(**kw):
+    return {"ar_step_s": 0.01, "round_s": {"2": 0.012, "6": 0.02}, "format": budget_mod.COST_FORMAT, "reps": 4,
+            "measured": "2026-12-06T00:00:00+00:00", **kw}
+
+
+BAD_ENTRIES = [None, 3, [], "x", {}, {"round_s": {"2": 0.01}, "format": budget_mod.COST_FORMAT},
+               entry(ar_step_s=0), entry(ar_step_s=-0.01), entry(ar_step_s=math.nan), entry(ar_step_s=math.inf),
+               entry(ar_step_s="0.01"), entry(ar_step_s=True), entry(round_s={}), entry(round_s=[0.01]),
+               entry(round_s={"2": 0}), entry(round_s={"2": -1.0}), entry(round_s={"2": math.nan}),
+               entry(round_s={"2": 1e-9, "6": 0.02}), entry(round_s={"x": 0.02}), entry(round_s={"2": None}),
+               entry(round_s={"64": 0.02}), entry(format=budget_mod.COST_FORMAT - 1), entry(format=None)]
+
+
+@pytest.mark.parametrize("bad", BAD_ENTRIES)
+def test_bad_cost_entry_is_retimed(fake_timing, bad):
+    """A missing field, a non-number, zero, negative, non-finite or implausibly small seconds, an empty round table,
+    a budget outside the acceptance table or an entry of an older format: absent, so timed again and replaced."""
+    m, d, path, calls = fake_timing
+    key = budget_mod._key(m, d, TABLE, True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({key: bad, "other": entry(round_s={"2": 0.03})}))
+    assert budget_mod.costs(m, d, TABLE) == FAKE and calls == [1]
+    assert budget_mod.choose(m, dataclasses.replace(d, acceptance=TABLE))[0] in TABLE
+    assert stored(path, key)["round_s"] == {"2": 0.012, "6": 0.02}
+    assert "other" in json.loads(path.read_text())  # another key's good entry is kept
+
+
+def test_good_cost_entry_is_used(fake_timing):
+    m, d, path, calls = fake_timing
+    key = budget_mod._key(m, d, TABLE, True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({key: entry(round_s={"2": 0.05, "6": 0.02})}))
+    assert budget_mod.costs(m, d, TABLE) == dict(ar_step_s=0.01, round_s={2: 0.05, 6: 0.02}) and calls == []
+
+
+def test_concurrent_first_runs_keep_each_others_keys(fake_timing, monkeypatch):
+    """Another process that writes its entry while this one times: both entries are in the file afterwards."""
+    m, d, path, calls = fake_timing
+    fake = budget_mod.measure_costs
+
+    def racing(*args, **kwargs):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"theirs": entry()}))  # the other process's write, during our timing
+        return fake(*args, **kwargs)
+
+    monkeypatch.setattr(budget_mod, "measure_costs", racing)
+    budget_mod.costs(m, d, TABLE)
+    on_disk = json.loads(path.read_text())
+    assert set(on_disk) == {"theirs", budget_mod._key(m, d, TABLE, True)}
+    assert not [f for f in path.parent.iterdir() if f.name.endswith(".tmp")]  # no temporary file left
+
+
+def test_unwritable_cache_times_once_per_process(fake_timing, tmp_path, monkeypatch, caplog):
+    m, d, _, calls = fake_timing
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path / "a_file" / "cache"))  # cannot be created
+    with caplog.at_level(logging.WARNING, "jaxspec.budget"):
+        assert budget_mod.costs(m, d, TABLE) == FAKE
+        assert budget_mod.costs(m, d, TABLE) == FAKE
+    assert calls == [1]
+    assert "this process only" in caplog.text and "once per machine" not in caplog.text
+
+
+def test_cost_key_names_the_machine_and_version(fake_timing, monkeypatch):
+    """Timings depend on the cores, XLA's flags and jaxspec's own code: a copied cache must not pass for local."""
+    m, d, _, _ = fake_timing
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    key = budget_mod._key(m, d, TABLE, True)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
+    assert budget_mod._key(m, d, TABLE, True) != key
+    monkeypatch.delenv("XLA_FLAGS")
+    cores = os.cpu_count()
+    monkeypatch.setattr(os, "cpu_count", lambda: 1234)
+    assert budget_mod._key(m, d, TABLE, True) != key
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    assert budget_mod._key(m, d, TABLE, True) == key
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "99.0")
+    budget_mod._jaxspec_version.cache_clear()
+    try:
+        assert budget_mod._key(m, d, TABLE, True) != key
+    finally:
+        budget_mod._jaxspec_version.cache_clear()

@@ -9,7 +9,7 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from conftest import TINY
-from jaxspec.config import ConfigError, RopeConfig, dense_config_from_dict
+from jaxspec.config import ConfigError, RopeConfig, dense_config_from_dict, drafter_config_from_dict
 from jaxspec.models.layers import rope_inv_freq
 
 
@@ -84,3 +84,17 @@ def test_gemma3_inv_freq_per_layer_type(tiny_hf):
     rot = hf.model.rotary_emb
     np.testing.assert_allclose(rope_inv_freq(16, c.rope_local), rot.sliding_attention_inv_freq.numpy(), rtol=1e-6)
     np.testing.assert_allclose(rope_inv_freq(16, c.rope_global), rot.full_attention_inv_freq.numpy(), rtol=1e-6)
+
+
+DRAFTER = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "vocab_size": 256, "block_size": 8, "num_hidden_layers": 2,
+           "dflash_config": {"mask_token_id": 255, "target_layer_ids": [1, 2]}}
+
+
+def test_drafter_layer_types_match_its_layers():
+    assert drafter_config_from_dict(DRAFTER).layer_types == ("full_attention",) * 2
+    assert drafter_config_from_dict({**DRAFTER, "layer_types": ["full_attention", "sliding_attention"],
+                                     "sliding_window": 4}).is_sliding == (False, True)
+    for types in (["full_attention"], ["full_attention"] * 3):
+        with pytest.raises(ConfigError, match=rf"num_hidden_layers 2 but {len(types)} layer_types.*one entry per"):
+            drafter_config_from_dict({**DRAFTER, "layer_types": types})

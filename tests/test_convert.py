@@ -2,16 +2,21 @@
 logits and tokens as loading the source directly, on one device and on a dp 2 x tp 4 mesh; `--quantize` keeps
 the packed weights bitwise as `jaxspec.load(SRC, quantize=)` holds them, and packed models generate on a mesh
 as on one device; bad inputs give one `error:` line, exit status 2 and leave nothing behind; host memory stays
-near the largest tensor."""
+near the largest tensor; the source's dtype is kept unless --dtype says otherwise, and recorded; SIGINT / SIGTERM
+stop a conversion (even raised inside a callback that swallows exceptions) and leave nothing, and the folder
+a SIGKILL leaves is removed by the next conversion into OUT (or named, if its conversion still runs)."""
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import numpy as np
@@ -22,6 +27,7 @@ import jaxspec
 from checkpoints_convert import convert
 from checkpoints_convert.__main__ import main
 from jaxspec.checkpoint import WeightsError
+from jaxspec.checkpoint.orbax import read_dtype
 from jaxspec.models import quant
 from jaxspec.plan import main as plan_main
 from jaxspec.testing import oracle_drafter
@@ -65,8 +71,9 @@ def test_gguf_round_trip_bfloat16(tiny_hf, tmp_path):
 
     hf, _ = tiny_hf("llama")
     write_llama_gguf(hf, tmp_path / "tiny.gguf")
-    out = convert(tmp_path / "tiny.gguf", tmp_path / "out", progress=False)  # default dtype: bfloat16
+    out = convert(tmp_path / "tiny.gguf", tmp_path / "out", "bfloat16", progress=False)
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    assert read_dtype(out) == "bfloat16" and stored_dtypes(out) == {"bfloat16"}
     direct = jaxspec.load(tmp_path / "tiny.gguf", "bfloat16", tokenizer=False)
     restored = jaxspec.load(out, "bfloat16")
     assert restored.dtype == jax.numpy.bfloat16
@@ -370,3 +377,192 @@ def test_peak_memory_near_largest_tensor(tmp_path):
           f"checkpoint {total / 2**20:.0f} MiB; "
           f"bound 1.5 x largest + {FIXED >> 20} MiB = {(1.5 * largest + FIXED) / 2**20:.0f} MiB")
     assert peak <= 1.5 * largest + FIXED
+
+
+def stored_dtypes(out) -> set[str]:
+    """The dtypes of the parameters as written in OUT's Orbax checkpoint."""
+    import orbax.checkpoint.experimental.v1 as ocp
+
+    return {str(m.dtype) for m in ocp.metadata(out / "params").metadata.values()}
+
+
+def _bf16_source(path, keep_f32: str | None = None):
+    """The tiny Llama saved in bfloat16 (one module's parameters, `keep_f32`, left in float32)."""
+    import torch
+
+    from conftest import build_tiny_hf
+
+    hf = build_tiny_hf("llama").to(torch.bfloat16)
+    if keep_f32 is not None:
+        hf.get_submodule(keep_f32).float()
+    hf.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("source, flags, want", [
+    ("float32", [], "float32"),
+    ("bfloat16", [], "bfloat16"),
+    ("mixed", [], "float32"),  # a float32 norm in a bfloat16 checkpoint: float32 keeps it exact
+    ("gguf", [], "float32"),
+    ("float32", ["--dtype", "bfloat16"], "bfloat16"),
+    ("bfloat16", ["--dtype", "float32"], "float32"),
+])
+def test_default_dtype_is_the_sources(sharded, tiny_hf, tmp_path, capsys, source, flags, want):
+    """Without --dtype the parameters keep the source's dtype (a float32 source restores its exact logits, no
+    bfloat16 rounding); --dtype overrides; the success line and packing.json say which dtype was written."""
+    if source == "float32":
+        src = sharded
+    elif source == "gguf":
+        from test_weights import write_llama_gguf
+
+        src = tmp_path / "tiny.gguf"
+        write_llama_gguf(tiny_hf("llama")[0], src)
+    else:
+        src = _bf16_source(tmp_path / "src", "model.norm" if source == "mixed" else None)
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "--quiet", *flags]) == 0
+    assert f"wrote {out} ({want} parameters); load it with" in capsys.readouterr().out
+    assert read_dtype(out) == want and stored_dtypes(out) == {want}
+    direct, restored = jaxspec.load(src, want, tokenizer=False), jaxspec.load(out, want)
+    np.testing.assert_array_equal(restored.logits(IDS), direct.logits(IDS))
+
+
+def test_load_restores_the_recorded_dtype(tmp_path):
+    out = convert(_bf16_source(tmp_path / "src"), tmp_path / "out", progress=False)
+    assert jaxspec.load(out).dtype == jax.numpy.bfloat16
+
+
+@pytest.mark.parametrize("old", ["no_packing_file", "no_dtype_field"])
+def test_old_converted_dirs_load_as_before(converted, packed_int8, tmp_path, old):
+    """Directories converted before the dtype was recorded (no packing.json, or one without "dtype") load as
+    before: float32 unless dtype= says otherwise."""
+    out = tmp_path / "out"
+    shutil.copytree(converted if old == "no_packing_file" else packed_int8, out)
+    f = out / "packing.json"
+    if old == "no_packing_file":
+        f.unlink(missing_ok=True)
+    else:
+        f.write_text(json.dumps({k: v for k, v in json.loads(f.read_text()).items() if k != "dtype"}))
+    assert read_dtype(out) is None
+    assert jaxspec.load(out, tokenizer=False).dtype == jax.numpy.float32
+    assert jaxspec.load(out, "bfloat16", tokenizer=False).dtype == jax.numpy.bfloat16
+
+
+# The converter in a fresh process, each parameter written `delay` seconds late (so a signal lands mid-way);
+# "swallowed": the third parameter runs Python from a destructor (as a callback from C such as JAX's or a
+# thread pool's), which sends SIGTERM and keeps running bytecode there, so a handler that raises does so where
+# the exception is printed and ignored.
+RUN = textwrap.dedent("""
+    import importlib, os, signal, sys, time
+    from checkpoints_convert.__main__ import main
+    c = importlib.import_module("checkpoints_convert.convert")  # the package's `convert` is the function
+    how, delay = sys.argv[1], float(sys.argv[2])
+    write, n = c._ParamWriter.__call__, [0]
+
+    class Callback:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            end = time.time() + 1.0
+            while time.time() < end:  # the handler runs here, inside the destructor
+                pass
+
+    def slow(self, arr, var, path):
+        n[0] += 1
+        if how == "swallowed" and n[0] == 3:
+            Callback()
+        time.sleep(delay)
+        return write(self, arr, var, path)
+
+    c._ParamWriter.__call__ = slow
+    sys.exit(main(sys.argv[3:]))
+""")
+
+
+def _start(how, delay, src, out):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "JAX_PLATFORMS": "cpu"}
+    return subprocess.Popen([sys.executable, "-c", RUN, how, str(delay), str(src), str(out), "--quiet",
+                             "--dtype", "float32"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_temporary(p, where, timeout=120):
+    """The conversion's temporary folder, once its first parameter is written."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and p.poll() is None:
+        tmp = [d for d in where.iterdir() if d.name.endswith(".converting") and set(os.listdir(d)) - {".lock"}]
+        if tmp:
+            return tmp[0]
+        time.sleep(0.02)
+    p.kill()
+    pytest.fail(f"no temporary folder appeared (exit {p.poll()}): {p.communicate()[1][-2000:]}")
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "swallowed"])
+def test_signal_stops_and_leaves_nothing(sharded, tmp_path, how):
+    """SIGINT / SIGTERM stop the conversion within a tensor or two, with one `error: interrupted` line and
+    status 128 + signal, no OUT and no temporary folder; a SIGTERM whose handler runs inside a callback that
+    swallows exceptions stops it too."""
+    out = tmp_path / "out"
+    p = _start(how, 0.1, sharded, out)
+    signum = signal.SIGTERM
+    if how != "swallowed":
+        _wait_for_temporary(p, tmp_path)
+        signum = getattr(signal, how)
+        p.send_signal(signum)
+    sent = time.monotonic()
+    try:
+        _, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 128 + signum, err[-2000:]
+    assert time.monotonic() - sent < 60 or how == "swallowed"
+    assert err.strip().splitlines()[-1] == f"error: interrupted by {signal.Signals(signum).name}; {out} was not written"
+    assert "Traceback" not in err, err[-2000:]
+    assert os.listdir(tmp_path) == []
+
+
+def test_sigkill_leftover_removed_by_next_run(sharded, tmp_path, capfd):
+    """A SIGKILL leaves the temporary folder; the next conversion into the same OUT removes it (its lock is
+    free), says so, and finishes with nothing else beside OUT."""
+    out = tmp_path / "out"
+    p = _start("slow", 0.3, sharded, out)
+    left = _wait_for_temporary(p, tmp_path)
+    p.send_signal(signal.SIGKILL)
+    p.communicate(timeout=60)
+    assert left.is_dir() and f".out.{p.pid}." in left.name
+    capfd.readouterr()
+    assert main([str(sharded), str(out), "--quiet", "--dtype", "float32"]) == 0
+    assert f"note: removed {left}, left by an interrupted conversion (pid {p.pid})" in capfd.readouterr().err
+    assert os.listdir(tmp_path) == ["out"] and not (out / ".lock").exists()
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_stale_temporary_folders(sharded, tmp_path, capfd):
+    """Only OUT's own temporary folders whose process is gone are removed: a free lock, or no lock and a dead
+    pid (a ".old" folder of --force too); a folder whose pid still runs but has no lock yet, another OUT's and
+    one not named by this converter stay. A folder still locked is a conversion at work: refused, named."""
+    dead, me = _dead_pid(), os.getpid()
+    names = {f".out.{dead}.a1.converting": True, f".out.{dead}.b2.old": False, f".out.{me}.c3.converting": False,
+             f".other.{dead}.d4.converting": True, ".out.e5f6g7h8.converting": False, f".out.{me}.h9.converting": True}
+    for name, locked in names.items():
+        (tmp_path / name).mkdir()
+        if locked:
+            (tmp_path / name / ".lock").touch()
+    out = tmp_path / "out"
+
+    held = os.open(tmp_path / f".out.{me}.h9.converting" / ".lock", os.O_RDWR)  # a conversion at work
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        assert main([str(sharded), str(out), "--quiet", "--dtype", "float32"]) == 2
+        err = capfd.readouterr().err.strip().splitlines()
+        assert err[-1] == (f"error: another conversion into {out} is running (pid {me}, writing "
+                           f"{tmp_path / f'.out.{me}.h9.converting'}); wait for it or stop it")
+    finally:
+        os.close(held)
+    assert main([str(sharded), str(out), "--quiet", "--dtype", "float32"]) == 0
+    stay = {f".out.{me}.c3.converting", f".other.{dead}.d4.converting", ".out.e5f6g7h8.converting"}
+    assert set(os.listdir(tmp_path)) == stay | {"out"}

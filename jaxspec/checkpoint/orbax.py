@@ -10,6 +10,8 @@ A model converted with `--quantize` keeps its packed weights as their parts (`<p
 `.offset`]) and records, in `packing.json` beside config.json, the `quantize` it was converted with and the
 Scheme of every packed parameter: the module cannot be rebuilt from config.json alone (which weights are
 packed depends on the source, e.g. a GGUF's tensor types), so `jaxspec.load(OUT)` rebuilds it from this plan.
+`packing.json` also records the float dtype the parameters were written in (`"dtype"`, see `read_dtype`);
+directories converted before it was recorded have no such field (or no packing.json at all).
 """
 from __future__ import annotations
 
@@ -39,10 +41,12 @@ def is_converted(model_dir: Path) -> bool:
     return (Path(model_dir) / PARAMS_DIR).is_dir()
 
 
-def write_packing(model_dir: Path, quantize: str, plan: dict[str, Scheme]) -> None:
-    """Record how a converted model is packed: `quantize` and {parameter path: Scheme fields}."""
+def write_packing(model_dir: Path, quantize: str | None, plan: dict[str, Scheme], dtype: str | None = None) -> None:
+    """Record how a converted model is packed: `quantize` (None: not packed), {parameter path: Scheme fields},
+    and the dtype ("float32" or "bfloat16") its float parameters were written in."""
     schemes = {path: dataclasses.asdict(scheme) for path, scheme in sorted(plan.items())}
-    (Path(model_dir) / PACKING_FILE).write_text(json.dumps({"quantize": quantize, "schemes": schemes}, indent=1))
+    record = {"quantize": quantize, "schemes": schemes} | ({} if dtype is None else {"dtype": dtype})
+    (Path(model_dir) / PACKING_FILE).write_text(json.dumps(record, indent=1))
 
 
 def read_packing(model_dir: Path) -> tuple[str | None, dict[str, Scheme]]:
@@ -55,6 +59,22 @@ def read_packing(model_dir: Path) -> tuple[str | None, dict[str, Scheme]]:
         return d["quantize"], {path: Scheme(**fields) for path, fields in d["schemes"].items()}
     except (ValueError, KeyError, TypeError, AttributeError) as e:  # not JSON, or not what write_packing writes
         raise WeightsError(f"{f} is damaged ({e!r}); convert the model again") from e
+
+
+def read_dtype(model_dir: Path) -> str | None:
+    """The dtype ("float32" or "bfloat16") a converted model's float parameters were written in, as recorded
+    by `write_packing`; None for a directory converted before it was recorded (restore it as before)."""
+    f = Path(model_dir) / PACKING_FILE
+    if not f.is_file():
+        return None
+    try:
+        d = json.loads(f.read_text())
+        dtype = d.get("dtype")
+    except (ValueError, AttributeError) as e:
+        raise WeightsError(f"{f} is damaged ({e!r}); convert the model again") from e
+    if dtype not in (None, "float32", "bfloat16"):
+        raise WeightsError(f"{f} is damaged (dtype {dtype!r}); convert the model again")
+    return dtype
 
 
 def restore_params(module_ctor: Callable[[], nnx.Module], model_dir: Path,
