@@ -116,6 +116,12 @@ def main(argv=None):
     ap.add_argument("--budgets", default="8,16,32,64")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=4, help="how many held-out prompts (never used in training)")
+    ap.add_argument("--first-prompt", type=int, default=0,
+                    help="the first held-out prompt used (the timed rows use the first ones: measure an acceptance "
+                         "table from --first-prompt 8 on, which neither the benchmark nor training selects on)")
+    ap.add_argument("--acceptance-only", action="store_true",
+                    help="with --save-acceptance: measure the acceptance lengths (one greedy run per prompt and "
+                         "budget, checked equal to AR), write the table and stop")
     ap.add_argument("--lookup", choices=("on", "off", "both"), default="on",
                     help="prompt lookup in the speculative rows (generate's default: on); both adds a row without it "
                          "per budget, named ddtree@B/plain")
@@ -128,6 +134,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.save_acceptance and not Path(args.drafter, "config.json").is_file():
         ap.error("--save-acceptance needs --drafter DIR (a trained drafter directory)")
+    if args.acceptance_only and not args.save_acceptance:
+        ap.error("--acceptance-only goes with --save-acceptance")
     budgets = [int(b) for b in args.budgets.split(",")]
 
     model = (tiny_target() if args.model == "tiny"
@@ -136,7 +144,7 @@ def main(argv=None):
         rng = np.random.RandomState(1)
         inputs = [dict(input_ids=rng.randint(0, model.config.vocab_size, 32).tolist()) for _ in range(args.prompts)]
     else:
-        inputs = [dict(prompt=p) for p in read_prompts("heldout")[: args.prompts]]
+        inputs = [dict(prompt=p) for p in read_prompts("heldout")[args.first_prompt: args.first_prompt + args.prompts]]
 
     def drafter_for(inp, ar):
         if args.drafter == "oracle":
@@ -146,13 +154,13 @@ def main(argv=None):
             return jaxspec.init_drafter(model, num_layers=1)
         return jaxspec.load_drafter(args.drafter, model)
 
-    def run(name, inp, ar):
+    def run(name, inp, ar, runs=2):
         lookup = args.lookup != "off" and not name.endswith("/plain")
         name = name.removesuffix("/plain")
         method, budget = name.split("@") if "@" in name else (name, None)
         budget = int(budget) if budget and budget != "auto" else budget
         drafter = drafter_for(inp, ar)
-        for _ in range(2):  # the first run compiles
+        for _ in range(runs):  # the first run compiles
             r = jaxspec.generate(model, **inp, drafter=drafter, method=method, budget=budget,
                                  max_new_tokens=args.max_new_tokens, lookup=lookup)
         assert r.token_ids == ar.token_ids, f"{name} differs from AR greedy"
@@ -164,21 +172,27 @@ def main(argv=None):
     rows = {"ar": [], "dflash": [], **{f"ddtree@{b}": [] for b in budgets},
             **{f"ddtree@{b}/plain": [] for b in (budgets if args.lookup == "both" else ())}, "ddtree@auto": []}
     ars = []
+    if args.acceptance_only:  # greedy acceptance does not depend on timing: one run each
+        rows = {f"ddtree@{b}": [] for b in budgets}
     for inp in inputs:
         ar = jaxspec.generate(model, **inp, method="ar", max_new_tokens=args.max_new_tokens)
-        ar = jaxspec.generate(model, **inp, method="ar", max_new_tokens=args.max_new_tokens)  # warm
+        if not args.acceptance_only:
+            ar = jaxspec.generate(model, **inp, method="ar", max_new_tokens=args.max_new_tokens)  # warm
+            rows["ar"].append(dict(tps=ar.stats["tokens_per_second"], speedup=1.0, al=1.0, n=ar.stats["new_tokens"]))
         ars.append(ar)
-        rows["ar"].append(dict(tps=ar.stats["tokens_per_second"], speedup=1.0, al=1.0, n=ar.stats["new_tokens"]))
         for name in rows:
             if name not in ("ar", "ddtree@auto"):
-                rows[name].append(run(name, inp, ar))
+                rows[name].append(run(name, inp, ar, runs=1 if args.acceptance_only else 2))
     if args.save_acceptance:
         table = {str(b): statistics.mean(r["al"] for r in rows[f"ddtree@{b}"]) for b in budgets}
         (Path(args.drafter) / "acceptance.json").write_text(json.dumps(dict(
             acceptance_length=table, weights_sha256=weights_sha256(args.drafter),
-            measured=dict(prompts=f"heldout[:{len(inputs)}]", max_new_tokens=args.max_new_tokens, greedy=True,
+            measured=dict(prompts=f"heldout[{args.first_prompt}:{args.first_prompt + len(inputs)}]",
+                          max_new_tokens=args.max_new_tokens, greedy=True,
                           lookup=args.lookup != "off", date=datetime.date.today().isoformat())), indent=2) + "\n")
-        print(f"wrote {Path(args.drafter) / 'acceptance.json'}")
+        print(f"wrote {Path(args.drafter) / 'acceptance.json'}: " + json.dumps(table))
+        if args.acceptance_only:
+            return
     for inp, ar in zip(inputs, ars):  # AR again just before: this VM's speed drifts over a run's 15 minutes
         again = jaxspec.generate(model, **inp, method="ar", max_new_tokens=args.max_new_tokens)
         assert again.token_ids == ar.token_ids

@@ -1,6 +1,7 @@
 """`jaxspec.generate`: input checks, then the decoder (jaxspec/decoder.py), streaming and the statistics."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -87,6 +88,7 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
     the verify costs the same. False drafts from the drafter alone.
     res.stats is a `decoder.Stats`.
     """
+    start = time.perf_counter()
     sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
     method, budget = resolve_method(method, drafter, budget)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
@@ -137,7 +139,7 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
     t2 = time.perf_counter()
 
     ids = dec.tokens(run)
-    stats = dec.stats(run, t1 - t0, t2 - t1)
+    stats = dataclasses.replace(dec.stats(run, t1 - t0, t2 - t1), wall_s=time.perf_counter() - start)
     tok = model.tokenizer
     texts = [tok.decode(i, skip_special_tokens=True) for i in ids] if tok is not None else None
     if single:

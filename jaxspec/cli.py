@@ -154,7 +154,8 @@ def summary(stats: dict) -> str:
     s = f"{stats['method']}: {stats['new_tokens']} tokens, {stats['tokens_per_second']:.1f} tokens/s"
     if stats["method"] != "ar":
         s += f", acceptance length {stats['acceptance_length']:.2f} (budget {stats['budget']})"
-    return s + f", prefill + compile {stats['prefill_s']:.1f} s"
+    s += f", prefill + compile {stats['prefill_s']:.1f} s"
+    return s + (f", {stats['wall_s']:.1f} s in all" if "wall_s" in stats else "")
 
 
 def keep_compiled() -> None:

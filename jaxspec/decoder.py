@@ -74,6 +74,7 @@ class Stats(Mapping):
     decode_s: float
     tokens_per_second: float  # decoded tokens (the prefill's first token aside) per decode second
     acceptance_length: float  # tokens emitted per target forward after the prefill (1.0 for AR)
+    wall_s: float | None = None  # the call's seconds, prompt encoding and budget="auto"'s timing included
     # speculative methods only
     rounds: int | None = None  # speculative rounds (target verify forwards)
     budget: int | None = None  # non-root tree nodes per round

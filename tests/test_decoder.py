@@ -1,0 +1,32 @@
+"""The decoder's host side: the statistics' two views, the call's wall time, and the continuous-batching
+buffer size (the decoding itself is held to AR and to each prompt alone in test_engine.py and
+test_batching.py)."""
+import json
+
+import jaxspec
+from jaxspec.decoder import PROMPT_BUCKET, Decoder, Stats
+from test_engine import PROMPT, tiny_target
+
+
+def test_stats_read_as_attributes_and_as_a_dict():
+    s = Stats(method="ar", prompt_tokens=[3], new_tokens=4, steps=4, prefill_s=0.5, decode_s=0.25,
+              tokens_per_second=12.0, acceptance_length=1.0)
+    assert s["steps"] == s.steps == 4
+    assert "rounds" not in s and s.get("rounds") is None  # a speculative field, absent from an AR run
+    assert set(json.loads(json.dumps(dict(s)))) == {"method", "prompt_tokens", "new_tokens", "steps", "prefill_s",
+                                                    "decode_s", "tokens_per_second", "acceptance_length"}
+
+
+def test_wall_time_covers_the_whole_call():
+    m = tiny_target("qwen3")
+    d = jaxspec.init_drafter(m, num_layers=1, block_size=4)
+    for res in (jaxspec.generate(m, input_ids=PROMPT, max_new_tokens=8),
+                jaxspec.generate(m, input_ids=PROMPT, drafter=d, max_new_tokens=8)):
+        st = res.stats
+        assert st["wall_s"] >= st["prefill_s"] + st["decode_s"] > 0
+
+
+def test_queue_slots_hold_every_row_and_the_widest_refill():
+    prompts, limits = [[1] * 5, [1] * 5, [1] * 65], [3, 3, 5]
+    n = Decoder.slots_for_queue(prompts, limits, chunk=16)
+    assert n >= 70 + 16 and n >= 2 * PROMPT_BUCKET and n % 32 == 0
