@@ -184,8 +184,10 @@ def _seconds(x) -> float | None:
 def _valid_entry(entry) -> dict | None:
     """A stored cost entry as costs() returns it ({ar_step_s, round_s: {budget: s}}), or None where it is not one
     this version wrote or cannot be believed: missing fields, another format, non-numbers, zero, negative or
-    non-finite seconds, an empty round table, or a round under half an AR step (a round runs the target's forward
-    over 1 + b tokens and the drafter's as well; a 1e-9 s round would make `auto` pick the largest budget)."""
+    non-finite seconds, an empty round table, or a round under a twentieth of an AR step (a round runs the
+    target's forward over 1 + b tokens and the drafter's as well, so no real timing comes near that, while on a
+    tiny target a round can time under half an AR step; a 1e-9 s round would make `auto` pick the largest
+    budget)."""
     if not isinstance(entry, dict) or entry.get("format") != COST_FORMAT:
         return None
     ar = _seconds(entry.get("ar_step_s"))
@@ -199,7 +201,7 @@ def _valid_entry(entry) -> dict | None:
         except (TypeError, ValueError):
             return None
         s = _seconds(s)
-        if b < 1 or s is None or s < ar / 2:
+        if b < 1 or s is None or s < ar / 20:
             return None
         out[b] = s
     return dict(ar_step_s=ar, round_s=out)
