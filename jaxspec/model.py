@@ -14,6 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxspec.checkpoint import WeightsError, load_params, read_gguf, read_safetensors
+from jaxspec.checkpoint import gguf_tokenizer as gguf_tok
 from jaxspec.checkpoint.compressed_tensors import maybe_dequantize, packed_schemes
 from jaxspec.checkpoint.core import rule_target
 from jaxspec.checkpoint.gguf import native_schemes
@@ -326,11 +327,6 @@ def _tokenizer(model_dir: Path, gguf_file: str | None = None):
         if gguf_file:
             return _gguf_tokenizer(model_dir / gguf_file)
         return transformers.AutoTokenizer.from_pretrained(str(model_dir))
-    except ModuleNotFoundError as e:
-        if gguf_file and e.name == "torch":
-            raise WeightsError("reading a GGUF tokenizer needs torch (transformers' GGUF reader imports it): "
-                               "pip install 'jaxspec[gguf]'") from e
-        raise
     except Exception as e:  # tokenizer files are optional; a broken one should not hide the weights
         raise WeightsError(f"cannot load the tokenizer from {model_dir}: {e}") from e
 
@@ -338,22 +334,23 @@ def _tokenizer(model_dir: Path, gguf_file: str | None = None):
 def _gguf_tokenizer(path: Path):
     """A GGUF's tokenizer, kept as tokenizer files in the cache directory after its first use.
 
-    transformers builds it from the GGUF's vocabulary and merges, which the gguf reader parses string by string:
-    seconds of every `python -m jaxspec.generate` with the bundled SmolLM2, where reading back its saved files
-    is fast (docs/benchmarks/cpu.md). The copy is keyed by the file (path, size, modification time) and the
-    transformers version, written to a temporary name and renamed, and built again if it cannot be read."""
+    It is built without torch (`checkpoint.gguf_tokenizer`: gguf reads the vocabulary and merges, string by string,
+    transformers' converter makes the tokenizer): seconds of every `python -m jaxspec.generate` with the
+    bundled SmolLM2, where reading back its saved files is fast (docs/benchmarks/cpu.md). The copy is keyed by
+    the file (path, size, modification time), the transformers version and the builder's source, written to a
+    temporary name and renamed, and built again if it cannot be read."""
     import os
     import shutil
 
     import transformers
 
-    saved = derived_from(path, "tokenizers", transformers.__version__)
+    saved = derived_from(path, "tokenizers", transformers.__version__, Path(gguf_tok.__file__).read_text())
     if saved.is_dir():
         try:
             return transformers.AutoTokenizer.from_pretrained(str(saved))
         except Exception:  # a damaged copy: build it again
             shutil.rmtree(saved, ignore_errors=True)
-    tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok = gguf_tok.gguf_tokenizer(path)
     tmp = saved.with_name(f"{saved.name}.tmp{os.getpid()}")
     try:
         tok.save_pretrained(str(tmp))
