@@ -76,16 +76,16 @@ def component_times(model, drafter, budget, method, lookup, L=256, reps=30):
     prompt = jnp.asarray(rng.randint(0, model.config.vocab_size, (1, L)), jnp.int32)
     state = engine.spec_prefill(model.jit_def, tp, drafter.jit_def, dp, prompt, jnp.int32(L), jax.random.key(0),
                                 jnp.int32(10**6), max_len=T, out_len=64 + settings.round_tokens, settings=settings)
-    state = dataclasses.replace(state, emitted=jnp.int32(0))  # keep rounds from ending on max_new
+    state = dataclasses.replace(state, emitted=jnp.zeros((1,), jnp.int32))  # keep rounds from ending on max_new
 
     @jax.jit
     def ar_step(tp, cache, tok):
-        return nnx.merge(tg, tp)(tok[None, None], Segment.causal(cache.length + jnp.zeros((1, 1), jnp.int32)), cache)[0]
+        return nnx.merge(tg, tp)(tok[:, None], Segment.causal(cache.length[:, None]), cache)[0]
 
     @jax.jit
     def draft(tp, dp, s):
         return nnx.merge(dg, dp).draft_logits(nnx.merge(tg, tp), s.draft_cache, s.bonus, s.cache.length,
-                                              settings.draft_depth)
+                                              settings.draft_depth)[0]
 
     draft_logits = draft(tp, dp, state)
     ids = dc.draft_vocab or None

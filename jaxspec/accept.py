@@ -11,17 +11,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxspec.sampling import SamplingParams, sample
 from jaxspec.tree import Tree
 
 
-def node_targets(logits, key, sp: SamplingParams):
-    """The target's token at every node: argmax, or one independent sample per node. logits [N, V] -> [N]."""
-    return sample(logits, key, sp)
-
-
 def accept_walk(tree: Tree, target_tokens, max_depth: int):
-    """Walk the tree along `target_tokens` [N], the target's token at every node (node_targets).
+    """Walk the tree along `target_tokens` [N], the target's token at every node (its argmax,
+    or one independent sample per node).
 
     max_depth (static) bounds the walk: the deepest node of the tree (SpecSettings.tree_depth).
     Returns (path [D+1] int32: accepted node ids a_0 = 0 (root), a_1 .. a_k, then zeros; k: int32 [],

@@ -64,11 +64,14 @@ def prompt_rows(model: Model, prompt, input_ids, chat) -> tuple[bool, list[list[
             raise ValueError(f"input_ids must be [T] or [B, T], got shape {arr.shape}")
         single, rows = arr.ndim == 1, [r.tolist() for r in np.atleast_2d(arr)]
     V = model.config.vocab_size
-    for r in rows:
+    if not rows:
+        raise ValueError("no prompts: give at least one")
+    where = (lambda b: "") if single else (lambda b: f" (row {b} of the batch)")  # noqa: E731
+    for b, r in enumerate(rows):
         if not r:
-            raise ValueError("empty prompt: give at least one token")
+            raise ValueError(f"empty prompt{where(b)}: give at least one token")
         if min(r) < 0 or max(r) >= V:
-            raise ValueError(f"token ids must lie in [0, {V})")
+            raise ValueError(f"token ids must lie in [0, {V}){where(b)}")
     return single, rows
 
 
@@ -81,6 +84,8 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
 
     method: "ar", "dflash" or "ddtree" ("auto": ddtree when a drafter is given). Speculative methods are
     lossless: greedy output equals AR greedy token for token; sampled output has the target's distribution.
+    A batch runs its rows together: AR in lockstep, speculative methods with one tree per row verified in one
+    forward, each row accepting its own tokens.
     on_tokens(new_ids) streams a single prompt's tokens, read back every `chunk_tokens` tokens.
     kv_impl: the KV commit of speculative rounds, "xla" or "pallas"; stats["kv_commit"] says what ran.
     lookup: speculative rounds also consider the tokens that followed the context's last few tokens where they
@@ -111,8 +116,6 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
                          f"of {ctx} tokens; shorten the prompt or lower max_new_tokens")
     chosen = {}
     if method != "ar":
-        if len(rows) != 1:
-            raise ValueError("speculative decoding runs one prompt at a time; use method='ar' for batches")
         check_fits(drafter.config, model)
         check_placement(drafter, model)
         if budget == "auto":

@@ -110,7 +110,7 @@ def measure_costs(model, drafter, acceptance: dict[int, float], lookup: bool = T
         return dataclasses.replace(run, state=jax.tree.map(jnp.copy, run.state))
 
     def forwards(dec: Decoder, run: Run) -> int:
-        return int(run.state.steps if dec.method == "ar" else run.state.rounds)
+        return int(jnp.max(run.state.steps if dec.method == "ar" else run.state.rounds))
 
     def timed(dec: Decoder, run: Run) -> tuple[Run, float]:  # `tokens` more tokens -> (run, seconds per forward)
         before = forwards(dec, run)

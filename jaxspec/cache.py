@@ -1,16 +1,18 @@
 """Caches that commit themselves: one pytree with a shared header and one entry per layer.
 
-The header is shared by every layer: `length`, the committed slots (left padding included), and `start`,
-each row's first real slot (prompts are left-padded, so row b's committed tokens are slots
-`start[b] .. length-1` at positions `slot - start[b]`). A forward appends N tokens as *pending* state
-without moving `length`; the engine then keeps them in one of two ways, and each entry type decides what
-that means for its own buffers:
+The header is shared by every layer and holds two numbers per row: `length[b]`, the committed slots (left
+padding included), and `start[b]`, the first real slot (row b's committed tokens are slots
+`start[b] .. length[b]-1` at positions `slot - start[b]`). Lengths are per row because a batch of speculative
+rows accepts a different number of tokens each round; AR rows move in lockstep, so theirs stay equal. A
+forward appends N tokens per row as *pending* state without moving `length`; the engine then keeps them in
+one of two ways, and each entry type decides what that means for its own buffers:
 
   * `advance(n)`: keep the first n appended tokens as they are (prefill, AR decode);
-  * `commit(path, n)`: keep tree nodes `path[:n]` in that order (speculative verify: the accepted path).
+  * `commit(path, n)`: keep each row's tree nodes `path[b, :n[b]]` in that order (speculative verify: the
+    accepted paths).
 
-A KV entry is slot-addressed: the forward writes K/V at slots `length ..`, `advance` has nothing to do,
-and `commit` moves the accepted rows into place (`pallas_kernels.kv_commit`). An MLA latent entry is the
+A KV entry is slot-addressed: the forward writes row b's K/V at slots `length[b] ..`, `advance` has nothing to
+do, and `commit` moves the accepted rows into place (`pallas_kernels.kv_commit`). An MLA latent entry is the
 same with one row per token instead of one per KV head (`latent_commit`). A recurrent entry will fold
 its pending state instead. The conformance tests (tests/test_cache.py) hold every entry type to one promise:
 verify + commit equals a causal prefill of the accepted tokens.
@@ -45,18 +47,17 @@ class KVEntry:
         return KVEntry(*(jnp.zeros((batch, num_kv_heads, max_len, head_dim), dtype) for _ in range(2)))
 
     def write(self, k: jax.Array, v: jax.Array, length) -> "KVEntry":
-        """New k, v [B, N, KVH, D] go to slots length .. length+N-1 (the caller sizes the cache so they fit)."""
-        def put(buf, x):
-            return jax.lax.dynamic_update_slice(buf, x.transpose(0, 2, 1, 3).astype(buf.dtype), (0, 0, length, 0))
-
-        return KVEntry(put(self.k, k), put(self.v, v))
+        """New k, v [B, N, KVH, D] go to row b's slots length[b] .. length[b]+N-1 (the caller sizes the cache so
+        they fit)."""
+        return KVEntry(write_rows(self.k, k.transpose(0, 2, 1, 3), length, 2),
+                       write_rows(self.v, v.transpose(0, 2, 1, 3), length, 2))
 
     def advance(self, n) -> "KVEntry":
         return self  # the appended slots already sit where they belong
 
     def commit(self, path, n, length, impl: str) -> "KVEntry":
-        """Slot length + path[i] -> length + i for i < n. RoPE needs no fix-up: node path[i] sits at depth
-        i, so its position was already length + i."""
+        """Row b's slot length[b] + path[b, i] -> length[b] + i for i < n[b]. RoPE needs no fix-up: node
+        path[b, i] sits at depth i, so its position was already length[b] + i."""
         return KVEntry(kv_commit(self.k, path, length, n, impl=impl), kv_commit(self.v, path, length, n, impl=impl))
 
 
@@ -76,14 +77,14 @@ class LatentEntry:
         return LatentEntry(jnp.zeros((batch, max_len, width), dtype))
 
     def write(self, latent: jax.Array, length) -> "LatentEntry":
-        """New latents [B, N, width] go to slots length .. length+N-1."""
-        return LatentEntry(jax.lax.dynamic_update_slice(self.latent, latent.astype(self.latent.dtype), (0, length, 0)))
+        """New latents [B, N, width] go to row b's slots length[b] .. length[b]+N-1."""
+        return LatentEntry(write_rows(self.latent, latent, length, 1))
 
     def advance(self, n) -> "LatentEntry":
         return self
 
     def commit(self, path, n, length, impl: str) -> "LatentEntry":
-        """Slot length + path[i] -> length + i for i < n; k_pe was rotated at position length + i already."""
+        """As KVEntry.commit; k_pe was rotated at position length[b] + i already."""
         return LatentEntry(latent_commit(self.latent, path, length, n, impl=impl))
 
 
@@ -91,25 +92,29 @@ class LatentEntry:
 @dataclass
 class Cache:
     layers: tuple[Any, ...]  # one entry per layer (KVEntry, LatentEntry, ...)
-    length: jax.Array  # [] int32: committed slots, left padding included
+    length: jax.Array  # [B] int32: committed slots of each row, left padding included
     start: jax.Array  # [B] int32: first real slot of each row
     max_len: int = field(metadata=dict(static=True))  # slots per row
 
     @staticmethod
     def init(layers, batch: int, max_len: int) -> "Cache":
-        return Cache(tuple(layers), jnp.zeros((), jnp.int32), jnp.zeros((batch,), jnp.int32), max_len)
+        return Cache(tuple(layers), jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.int32), max_len)
 
     def with_start(self, start) -> "Cache":
         return replace(self, start=jnp.asarray(start, jnp.int32))
 
     def advance(self, n) -> "Cache":
-        """Keep the first n appended tokens (traced n is fine)."""
+        """Keep the first n appended tokens: n [] or [B] (traced is fine)."""
         return replace(self, layers=tuple(e.advance(n) for e in self.layers), length=self.length + n)
 
     def commit(self, path, n, *, impl: str = "xla") -> "Cache":
-        """Keep tree nodes path[:n] (path [P] int32, path[0] = 0 the root, strictly increasing) in order.
+        """Keep each row's tree nodes path[b, :n[b]] in order (path [B, P] int32, or [P] shared by every row;
+        path[b, 0] = 0 the root, strictly increasing; n [B] or []).
 
         impl: the KV commit's implementation, "xla" or "pallas" (pallas_kernels.kv_commit)."""
+        B = self.length.shape[0]
+        path = jnp.broadcast_to(jnp.asarray(path, jnp.int32), (B, jnp.shape(path)[-1]))
+        n = jnp.broadcast_to(jnp.asarray(n, jnp.int32), (B,))
         layers = tuple(e.commit(path, n, self.length, impl) for e in self.layers)
         return replace(self, layers=layers, length=self.length + n)
 
@@ -137,19 +142,16 @@ class Cache:
 
     def put_rows(self, rows, new: "Cache") -> "Cache":
         """Rows `rows` [R] replaced by the R rows of `new`, a freshly prefilled cache of new.max_len ==
-        new.length slots: its slots land at length - new.length .. length - 1, so each new prompt ends where
-        the other rows' committed tokens end and decodes on with them. Rows past the batch (padding of `rows`
-        to a fixed R) are dropped. Needs new.length <= length (reslot first)."""
-        offset = self.length - new.length
+        new.length slots: new row r's slots land so that it ends where row rows[r]'s committed tokens end
+        (continuous batching keeps AR rows in lockstep). Rows past the batch (padding of `rows` to a fixed R)
+        are dropped. Needs new.length <= length (reslot first)."""
+        offset = self.length[jnp.minimum(rows, self.length.shape[0] - 1)] - new.length  # [R]
 
         def put(x, y, axes):
             if "seq" not in axes:
                 return x.at[rows].set(y.astype(x.dtype), mode="drop")
-            seq = axes.index("seq")
-            at = [jnp.int32(0)] * x.ndim
-            at[seq] = offset
             fresh = jnp.zeros((y.shape[0], *x.shape[1:]), x.dtype)  # slots before the prompt stay hidden by start
-            return x.at[rows].set(jax.lax.dynamic_update_slice(fresh, y.astype(x.dtype), at), mode="drop")
+            return x.at[rows].set(write_rows(fresh, y, offset, axes.index("seq")), mode="drop")
 
         layers = tuple(_map_buffers(e, put, n) for e, n in zip(self.layers, new.layers))
         return replace(self, layers=layers, start=self.start.at[rows].set(new.start + offset, mode="drop"))
@@ -159,8 +161,21 @@ class Cache:
         def spec(entry):
             return replace(entry, **{name: PartitionSpec(*axes) for name, axes in entry.AXES.items()})
 
-        return replace(self, layers=tuple(spec(e) for e in self.layers), length=PartitionSpec(),
+        return replace(self, layers=tuple(spec(e) for e in self.layers), length=PartitionSpec("batch"),
                        start=PartitionSpec("batch"))
+
+
+def write_rows(buf, x, at, axis: int):
+    """buf [B, ...] with row b's x[b] written from index at[b] of `axis` (at [B] or []; x's other dimensions
+    equal buf's): one dynamic_update_slice per row, which XLA merges into one scatter."""
+    at = jnp.broadcast_to(jnp.asarray(at, jnp.int32), buf.shape[:1])
+
+    def one(b, xb, a):
+        idx = [jnp.int32(0)] * b.ndim
+        idx[axis - 1] = a
+        return jax.lax.dynamic_update_slice(b, xb.astype(b.dtype), idx)
+
+    return jax.vmap(one)(buf, x, at)
 
 
 def _map_buffers(entry, fn, other=None):

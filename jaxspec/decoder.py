@@ -9,8 +9,9 @@ through it, so the engine's calling convention and the buffer sizes are written 
         run = dec.decode(run, dec.count(run) + 16)     # 16 more tokens (per row), then read back
     dec.tokens(run), dec.stats(run)
 
-AR runs a batch of left-padded rows in lockstep; speculative methods run one row (batched trees are
-[batched-spec]). Buffers come in a few rounded sizes, so a handful of compiled programs serve every prompt.
+AR runs a batch of left-padded rows in lockstep; speculative methods run a batch of right-padded rows, each with
+its own tree, acceptance and length. Buffers come in a few rounded sizes, so a handful of compiled programs serve
+every prompt.
 """
 from __future__ import annotations
 
@@ -63,20 +64,21 @@ def ar_window(model: Model, batch: int, max_len: int) -> int:
 
 @dataclass(frozen=True)
 class Stats(Mapping):
-    """What a run did. Read as attributes or, for compatibility, as a dict (`res.stats["acceptance_length"]`;
-    fields that do not apply to the method are None and absent from the dict view)."""
+    """What a run did, summed over its rows. Read as attributes or, for compatibility, as a dict
+    (`res.stats["acceptance_length"]`; fields that do not apply to the method are None and absent from the dict
+    view)."""
 
     method: str  # ar | dflash | ddtree
     prompt_tokens: list[int]  # per row
     new_tokens: int  # generated, over all rows
-    steps: int  # target forwards, the prefill included
+    steps: int  # target forwards, the prefill included (a batch's: its longest row's)
     prefill_s: float  # prefill (and first-call compile) seconds
     decode_s: float
     tokens_per_second: float  # decoded tokens (the prefill's first token aside) per decode second
-    acceptance_length: float  # tokens emitted per target forward after the prefill (1.0 for AR)
+    acceptance_length: float  # tokens emitted per row per target forward after the prefill (1.0 for AR)
     wall_s: float | None = None  # the call's seconds, prompt encoding and budget="auto"'s timing included
     # speculative methods only
-    rounds: int | None = None  # speculative rounds (target verify forwards)
+    rounds: int | None = None  # speculative rounds (target verify forwards), summed over rows
     budget: int | None = None  # non-root tree nodes per round
     accepted_length_histogram: list[int] | None = None  # rounds that accepted k draft tokens, k = 0..
     per_depth_acceptance: list[float] | None = None  # P(accept depth d | accepted depth d - 1)
@@ -85,6 +87,7 @@ class Stats(Mapping):
     lookup: bool | None = None  # prompt lookup competed for the tree's nodes
     budget_source: str | None = None  # budget="auto": "auto" or why the default was kept
     predicted_speedup: dict[str, float] | None = None  # budget="auto": AL(b) x AR step / round(b) per budget
+    per_row: list[dict] | None = None  # a speculative batch: each row's own rounds and acceptance (spec_stats)
 
     def _present(self) -> list[str]:
         return [f.name for f in fields(self) if getattr(self, f.name) is not None]
@@ -154,9 +157,9 @@ class Decoder:
 
     def prefill(self, rows: list[list[int]], max_new_tokens: int | list[int], key: jax.Array | None = None, *,
                 max_len: int | None = None, out_len: int | None = None) -> Run:
-        """Prefill `rows` (one for speculative methods) and sample each row's first token. max_new_tokens: one
-        limit or one per row (AR). max_len / out_len: fixed cache and output sizes (continuous batching, which
-        slides rows instead of growing the cache) instead of the ones sized for max_new_tokens."""
+        """Prefill `rows` and sample each row's first token. max_new_tokens: one limit or one per row.
+        max_len / out_len: fixed cache and output sizes (continuous batching) instead of the ones sized for
+        max_new_tokens."""
         m = self.model
         key = jax.random.key(0) if key is None else key
         lens = [len(r) for r in rows]
@@ -171,17 +174,16 @@ class Decoder:
                                       out_len=out_len or round_up(most, 64), sampling=self.sampling, eos=self.eos,
                                       layout=m.layout)
             return Run(state, lens, P, full, window)
-        if len(rows) != 1:
-            raise ValueError("speculative decoding runs one prompt at a time; use method='ar' for batches")
-        (r,) = rows
-        P = round_up(len(r), PROMPT_BUCKET)
-        tokens = np.zeros((1, P), np.int32)  # right-padded; the forward is told the real length
-        tokens[0, : len(r)] = r
-        max_len = self.spec_max_len(len(r), max_new_tokens)
+        most = max_new_tokens if isinstance(max_new_tokens, int) else max(max_new_tokens)
+        P = round_up(max(lens), PROMPT_BUCKET)
+        tokens = np.zeros((len(rows), P), np.int32)  # right-padded; the forward is told each row's length
+        for b, r in enumerate(rows):
+            tokens[b, : len(r)] = r
+        max_len = max_len or self.spec_max_len(max(lens), most)
         d = self.drafter
         state = engine.spec_prefill(m.jit_def, m.params, d.jit_def, d.params, jnp.asarray(tokens),
-                                    jnp.int32(len(r)), key, jnp.int32(max_new_tokens), max_len=max_len,
-                                    out_len=round_up(max_new_tokens, 64) + self.settings.round_tokens,
+                                    jnp.asarray(lens, jnp.int32), key, jnp.asarray(max_new_tokens, jnp.int32),
+                                    max_len=max_len, out_len=out_len or round_up(most, 64) + self.settings.round_tokens,
                                     settings=self.settings)
         return Run(state, lens, P, max_len, max_len)
 
@@ -207,48 +209,63 @@ class Decoder:
             s = engine.ar_reslot(s, jnp.int32(0), max_len=min(run.full_len, s.cache.max_len + run.window),
                                  layout=m.layout)
 
-    def refill(self, run: Run, slots: list[int], prompts: list[list[int]], limits: list[int]) -> list[int]:
-        """Continuous batching (AR): `prompts` enter the finished rows `slots`, prefilled so that each ends where
-        the other rows' tokens end (the live rows slide right first where a prompt is longer), with `limits` new
-        tokens each. Groups are padded to a power of two (few distinct compiles). Returns their first tokens."""
+    def refill(self, run: Run, slots: list[int], prompts: list[list[int]], limits: list[int],
+               key: jax.Array | None = None) -> list[int]:
+        """Continuous batching: `prompts` enter the finished rows `slots` with `limits` new tokens each; returns
+        their first tokens. Groups are padded to a power of two (few distinct compiles). key: the new rows' rng
+        (speculative methods; AR draws from the batch's stream).
+
+        AR rows move in lockstep, so each prompt is prefilled to end where the other rows' tokens end (the live
+        rows slide right first where a prompt is longer). A speculative row owns its length, so its prompt
+        simply starts at slot 0 of the row."""
         m, n = self.model, len(prompts)
-        B = run.state.last.shape[0]
+        B = run.state.last.shape[0] if self.method == "ar" else run.state.bonus.shape[0]
         R = 1 << math.ceil(math.log2(n))
         P = round_up(max(map(len, prompts)), PROMPT_BUCKET)
-        rows = slots + [B] * (R - n)  # index B: padding, dropped by ar_refill
-        tokens, start = left_pad(prompts + [prompts[0]] * (R - n), P)
-        length = int(to_host(run.state.cache.length))
+        rows = jnp.asarray(slots + [B] * (R - n), jnp.int32)  # index B: padding, dropped
+        padded, max_new = prompts + [prompts[0]] * (R - n), jnp.asarray(list(limits) + [1] * (R - n), jnp.int32)
+        if self.method != "ar":
+            tokens = np.zeros((R, P), np.int32)
+            for r, p in enumerate(padded):
+                tokens[r, : len(p)] = p
+            d = self.drafter
+            run.state = engine.spec_refill(m.jit_def, m.params, d.jit_def, d.params, run.state, rows,
+                                           jnp.asarray(tokens), jnp.asarray([len(p) for p in padded], jnp.int32),
+                                           jax.random.key(0) if key is None else key, max_new, settings=self.settings)
+            return to_host(run.state.out)[slots, 0].tolist()
+        tokens, start = left_pad(padded, P)
+        length = int(to_host(run.state.cache.length).max())  # AR rows move in lockstep
         if length < P:  # the new prompts must end at `length`: slide everything right
             run.state = engine.ar_reslot(run.state, jnp.int32(length - P), max_len=run.state.cache.max_len,
                                          layout=m.layout)
-        run.state, first = engine.ar_refill(m.jit_def, m.params, run.state, jnp.asarray(rows, jnp.int32),
-                                            jnp.asarray(tokens), jnp.asarray(start),
-                                            jnp.asarray(list(limits) + [1] * (R - n), jnp.int32),
-                                            sampling=self.sampling, eos=self.eos, layout=m.layout)
+        run.state, first = engine.ar_refill(m.jit_def, m.params, run.state, rows, jnp.asarray(tokens),
+                                            jnp.asarray(start), max_new, sampling=self.sampling, eos=self.eos,
+                                            layout=m.layout)
         return to_host(first)[:n].tolist()
 
     def make_room(self, run: Run, live: list[int], tokens: int) -> None:
         """Continuous batching: slide the live rows' tokens to the front of the cache where `tokens` more would
         not fit behind them."""
         cache = run.state.cache
-        if int(to_host(cache.length)) + tokens > cache.max_len:
+        if int(to_host(cache.length).max()) + tokens > cache.max_len:
             shift = int(to_host(cache.start)[live].min())
             run.state = engine.ar_reslot(run.state, jnp.int32(shift), max_len=cache.max_len, layout=self.model.layout)
 
     def count(self, run: Run) -> int:
-        """Tokens so far: per row in lockstep (AR), or emitted (speculative)."""
-        return int(to_host(run.state.steps if self.method == "ar" else run.state.emitted))
+        """Tokens so far: per row in lockstep (AR), or the fewest any live row has emitted (speculative)."""
+        s = run.state
+        if self.method == "ar":
+            return int(to_host(s.steps))
+        emitted, done = to_host(s.emitted), to_host(s.done)
+        return int(emitted[~done].min()) if (~done).any() else int(emitted.max())
 
     def finished(self, run: Run) -> bool:
         return bool(np.all(to_host(run.state.done)))
 
     def tokens(self, run: Run) -> list[list[int]]:
         """Each row's generated tokens (EOS included where sampled)."""
-        out = to_host(run.state.out)
-        if self.method == "ar":
-            n = to_host(run.state.emitted)
-            return [out[b, : n[b]].tolist() for b in range(out.shape[0])]
-        return [out[: int(to_host(run.state.emitted))].tolist()]
+        out, n = to_host(run.state.out), to_host(run.state.emitted)
+        return [out[b, : n[b]].tolist() for b in range(out.shape[0])]
 
     def stats(self, run: Run, prefill_s: float, decode_s: float) -> Stats:
         ids = self.tokens(run)
@@ -260,10 +277,18 @@ class Decoder:
         s = run.state
         if self.method == "ar":
             return Stats(steps=int(to_host(s.steps)), acceptance_length=1.0, **common)
-        rounds = int(to_host(s.rounds))
-        return Stats(steps=rounds + 1, **spec_stats(to_host(s.accepted_hist), rounds, len(ids[0]), self.budget,
-                                                    int(to_host(s.tree_nodes))),
-                     kv_commit=self.kv_commit, lookup=self.settings.lookup, **common)
+        rounds = to_host(s.rounds)  # per row
+        return Stats(steps=int(rounds.max()) + 1,
+                     **spec_stats(to_host(s.accepted_hist).sum(0), int(rounds.sum()), new_tokens - len(ids) + 1,
+                                  self.budget, int(to_host(s.tree_nodes).sum())),
+                     kv_commit=self.kv_commit, lookup=self.settings.lookup,
+                     per_row=self.row_stats(run) if len(ids) > 1 else None, **common)
+
+    def row_stats(self, run: Run) -> list[dict]:
+        """Each row's own acceptance statistics (spec_stats of its rounds alone)."""
+        s, ids = run.state, self.tokens(run)
+        hist, rounds, nodes = to_host(s.accepted_hist), to_host(s.rounds), to_host(s.tree_nodes)
+        return [spec_stats(hist[b], int(rounds[b]), len(ids[b]), self.budget, int(nodes[b])) for b in range(len(ids))]
 
 
 def spec_stats(hist: np.ndarray, rounds: int, emitted: int, budget: int, tree_nodes: int) -> dict:

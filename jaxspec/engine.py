@@ -1,14 +1,14 @@
 """Generation on device: AR decoding and speculative rounds (DFlash chain, DDTree), each one jitted step
 looped by `lax.while_loop`, so there is no host round trip per token or per round.
 
-One speculative round (batch 1, all static shapes):
-  1. draft:  drafter.draft_logits: [bonus, MASK x (block_size-1)] at L.. over its context -> D distributions
-             (over its draft vocabulary, `config.draft_vocab`, when it has one)
-  2. tree:   build_tree (top-budget prefixes) or build_chain (DFlash) -> N nodes with root = bonus,
-             where (lookup) the continuation of the context's last n-gram before competes for the nodes
-  3. verify: one target forward over the N nodes at positions L + depth with the ancestor mask and parents
-  4. accept: walk the tree along the target's argmax (or one target sample per node)
-  5. commit: the cache keeps the accepted path, the drafter context gets its taps, L += k + 1
+One speculative round, for B rows at once (all static shapes; row b's committed length is L[b]):
+  1. draft:  drafter.draft_logits: [bonus, MASK x (block_size-1)] at L[b].. over each row's context -> D
+             distributions per row (over its draft vocabulary, `config.draft_vocab`, when it has one)
+  2. tree:   per row, build_tree (top-budget prefixes) or build_chain (DFlash) -> N nodes with root = bonus,
+             where (lookup) the continuation of the row's last n-gram before competes for the nodes
+  3. verify: one target forward over B x N nodes, row b's at positions L[b] + depth with its ancestor mask
+  4. accept: per row, walk the tree along the target's argmax (or one target sample per node)
+  5. commit: each row's cache keeps its accepted path, its drafter context gets their taps, L[b] += k[b] + 1
 
 The engine reaches a target only through its family-independent surface: `init_cache`, the forward
 `target(tokens, segment, cache, tap_layers=, logits_idx=)` and the cache's `advance` / `commit`. A new
@@ -26,14 +26,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.accept import accept_walk, node_targets
+from jaxspec.accept import accept_walk
 from jaxspec.cache import Cache
 from jaxspec.kernels import use
 from jaxspec.lookup import MAX_DEPTH, chain_logprobs, lookup_chain
 from jaxspec.sampling import SamplingParams, sample
 from jaxspec.segment import Segment
 from jaxspec.sharding import Layout
-from jaxspec.tree import add_chain, build_chain, build_tree, prune, tree_segment
+from jaxspec.tree import Tree, add_chain, build_chain, build_tree, prune, tree_segment
 
 # ------------------------------------------------------------------------------------------ AR
 
@@ -196,79 +196,137 @@ class SpecSettings:
 @jax.tree_util.register_dataclass
 @dataclass
 class SpecState:
-    cache: Cache  # target cache: the committed prefix (the bonus is not in it yet)
+    """B rows of speculative decoding; every field is per row, so rows accept, emit and finish on their own."""
+
+    cache: Cache  # target cache: each row's committed prefix (the bonus is not in it yet)
     draft_cache: Any  # the drafter's context of the committed tokens
-    bonus: jax.Array  # [] the target's token after the committed prefix
-    out: jax.Array  # [out_len] generated tokens
-    emitted: jax.Array  # [] tokens generated (the first one by the prefill)
-    done: jax.Array  # [] bool
-    key: jax.Array
-    max_new: jax.Array  # [] int32
-    rounds: jax.Array  # [] speculative rounds (target verify forwards)
-    accepted_hist: jax.Array  # [tree_depth + 1] rounds that accepted k draft tokens
-    tree_nodes: jax.Array  # [] valid non-root tree nodes verified, summed over rounds
-    history: jax.Array  # [max_len] the prompt, the committed tokens and the bonus, at their positions
+    bonus: jax.Array  # [B] the target's token after each row's committed prefix
+    out: jax.Array  # [B, out_len] generated tokens
+    emitted: jax.Array  # [B] tokens generated (the first one by the prefill)
+    done: jax.Array  # [B] bool
+    key: jax.Array  # [B] one rng stream per row
+    max_new: jax.Array  # [B] int32
+    rounds: jax.Array  # [B] speculative rounds (target verify forwards) while the row was live
+    accepted_hist: jax.Array  # [B, tree_depth + 1] rounds that accepted k draft tokens
+    tree_nodes: jax.Array  # [B] valid non-root tree nodes verified, summed over rounds
+    history: jax.Array  # [B, max_len] the prompt, the committed tokens and the bonus, at their positions
+
+
+def _sample_rows(logits, keys, sampling: SamplingParams):
+    """logits [B, ..., V] -> tokens [B, ...], row b drawn with keys[b] (greedy needs no key)."""
+    if sampling.greedy:
+        return sample(logits, None, sampling)
+    return jax.vmap(lambda x, k: sample(x, k, sampling))(logits, keys)
+
+
+def _split_rows(keys):
+    """keys [B] -> (next keys [B], subkeys [B])."""
+    pair = jax.vmap(jax.random.split)(keys)  # [B, 2]
+    return pair[:, 0], pair[:, 1]
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "max_len", "out_len", "settings"))
 @_on_kernels
 def spec_prefill(target_def, target_params, drafter_def, drafter_params, tokens, length, key, max_new, *,
                  max_len, out_len, settings: SpecSettings) -> SpecState:
-    """Right-padded prompt tokens [1, P] (real length `length`) -> round state with the first bonus."""
+    """Right-padded prompts tokens [B, P] (row b's real length length[b]) -> round state with each row's first
+    bonus. key: one key (split per row) or [B] keys; max_new: [] or [B]."""
     target, drafter = nnx.merge(target_def.graphdef, target_params), nnx.merge(drafter_def.graphdef, drafter_params)
-    P = tokens.shape[1]
-    segment = Segment.causal(jnp.arange(P, dtype=jnp.int32)[None], lengths=length)
-    cache = _pin(settings.layout, target.init_cache(1, max_len))
+    return _spec_start(target, drafter, tokens, length, key, max_new, max_len, out_len, settings)
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "settings"), donate_argnames=("state",))
+@_on_kernels
+def spec_refill(target_def, target_params, drafter_def, drafter_params, state: SpecState, rows, tokens, length, key,
+                max_new, *, settings: SpecSettings) -> SpecState:
+    """Continuous batching: rows `rows` [R] (finished; indices >= B are padding, dropped) start the right-padded
+    prompts tokens [R, P] (real lengths length [R], max_new [R] tokens each). Each row owns its slots and its
+    length, so a new prompt starts at slot 0 of its row whatever the others hold: every per-row buffer of the
+    state (caches, drafter context, outputs, statistics, rng) is replaced by a fresh prefill's."""
+    target, drafter = nnx.merge(target_def.graphdef, target_params), nnx.merge(drafter_def.graphdef, drafter_params)
+    fresh = _spec_start(target, drafter, tokens, length, key, max_new, state.cache.max_len, state.out.shape[1],
+                        settings)
+    state = jax.tree.map(lambda x, y: x.at[rows].set(y, mode="drop"), state, fresh)
+    return replace(state, cache=_pin(settings.layout, state.cache),
+                   draft_cache=_pin(settings.draft_layout, state.draft_cache))
+
+
+def _spec_start(target, drafter, tokens, length, key, max_new, max_len: int, out_len: int,
+                settings: SpecSettings) -> SpecState:
+    B, P = tokens.shape
+    length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), (B,))
+    keys = key if key.shape == (B,) else jax.random.split(key, B)
+    segment = Segment.causal(jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P)), lengths=length)
+    cache = _pin(settings.layout, target.init_cache(B, max_len))
     logits, taps, cache = target(tokens, segment, cache, tap_layers=settings.tap_layers,
-                                 logits_idx=jnp.reshape(length - 1, (1, 1)))
-    draft_cache = _pin(settings.draft_layout, drafter.init_cache(1, max_len))
+                                 logits_idx=(length - 1)[:, None])
+    draft_cache = _pin(settings.draft_layout, drafter.init_cache(B, max_len))
     draft_cache = _pin(settings.draft_layout, drafter.append_context(draft_cache, taps, length))
-    key, sub = jax.random.split(key)
-    bonus = sample(logits[0, 0], sub, settings.sampling)
-    history = jnp.zeros((max_len,), jnp.int32).at[:P].set(tokens[0]).at[length].set(bonus)
+    keys, sub = _split_rows(keys)
+    bonus = _sample_rows(logits[:, 0], sub, settings.sampling)
+    rows = jnp.arange(B)
+    history = jnp.zeros((B, max_len), jnp.int32).at[:, :P].set(tokens).at[rows, length].set(bonus)
+    max_new = jnp.broadcast_to(jnp.asarray(max_new, jnp.int32), (B,))
     return SpecState(
         cache=_pin(settings.layout, cache.advance(length)), draft_cache=draft_cache, bonus=bonus,
-        out=jnp.zeros((out_len,), jnp.int32).at[0].set(bonus), emitted=jnp.int32(1),
-        done=jnp.isin(bonus, jnp.asarray(settings.eos, jnp.int32)) | (max_new <= 1), key=key, max_new=max_new,
-        rounds=jnp.int32(0), accepted_hist=jnp.zeros((settings.round_tokens,), jnp.int32), tree_nodes=jnp.int32(0),
-        history=history,
+        out=jnp.zeros((B, out_len), jnp.int32).at[:, 0].set(bonus), emitted=jnp.ones((B,), jnp.int32),
+        done=jnp.isin(bonus, jnp.asarray(settings.eos, jnp.int32)) | (max_new <= 1), key=keys, max_new=max_new,
+        rounds=jnp.zeros((B,), jnp.int32), accepted_hist=jnp.zeros((B, settings.round_tokens), jnp.int32),
+        tree_nodes=jnp.zeros((B,), jnp.int32), history=history,
     )
 
 
-def spec_round(target, drafter, s: SpecState, settings: SpecSettings) -> SpecState:
-    """One speculative round (see the module docstring)."""
-    D = settings.tree_depth
-    L = s.cache.length
-    pos = L - s.cache.start[0]  # the bonus' position
-    key, k_verify = jax.random.split(s.key)
-    # 1-2. draft and build the tree (root = bonus)
-    draft = drafter.draft_logits(target, s.draft_cache, s.bonus, L, settings.draft_depth)
-    ids = drafter.config.draft_vocab or None  # the draft columns' token ids
+def _row_tree(draft, history, pos, settings: SpecSettings, ids) -> Tree:
+    """One row's draft tree from its draft logits [depth, K] (root token left 0), with its context's lookup
+    chain competing for the nodes when settings.lookup."""
     tree = build_tree(draft, settings.budget, ids) if settings.method == "ddtree" else build_chain(draft, ids)
-    if settings.lookup:  # the context's own continuation competes for the same nodes
-        chain, count, n = lookup_chain(s.history, pos + 1, D)
+    if settings.lookup:
+        D = settings.tree_depth
+        chain, count, n = lookup_chain(history, pos + 1, D)
         tree = prune(add_chain(tree, chain, count, chain_logprobs(n, D)), tree.tokens.shape[0] - 1)
-    tokens = tree.tokens.at[0].set(s.bonus)
-    # 3. verify all nodes in one forward: node i at position L + depth_i, seeing prefix + its ancestors
-    logits, taps, pending = target(tokens[None], tree_segment(tree, pos), s.cache, tap_layers=settings.tap_layers)
-    # 4. accept
-    target_tokens = node_targets(logits[0], k_verify, settings.sampling)
-    path, k = accept_walk(tree, target_tokens, D)
-    # 5. commit the target cache and the drafter context, emit [accepted drafts..., new bonus]
-    cache = _pin(settings.layout, pending.commit(path, k + 1, impl=settings.kv_impl))
-    draft_cache = _pin(settings.draft_layout, drafter.append_context(s.draft_cache, taps[0][path][None], k + 1))
-    bonus = target_tokens[path[k]]
-    i = jnp.arange(D + 1)
-    new = jnp.where(i < k, tokens[path[jnp.minimum(i + 1, D)]], jnp.where(i == k, bonus, 0))
-    is_eos = jnp.isin(new, jnp.asarray(settings.eos, jnp.int32)) & (i <= k)
-    n_new = jnp.where(is_eos.any(), jnp.argmax(is_eos) + 1, k + 1)
-    emitted = jnp.minimum(s.emitted + n_new, s.max_new)
+    return tree
+
+
+def spec_round(target, drafter, s: SpecState, settings: SpecSettings) -> SpecState:
+    """One speculative round for every row (see the module docstring). Rows already done go through the same
+    shapes but keep everything: their commit keeps no token, and their outputs and statistics do not move."""
+    D = settings.tree_depth
+    L = s.cache.length  # [B]
+    pos = L - s.cache.start  # [B] the bonus' position
+    key, k_verify = _split_rows(s.key)
+    live = ~s.done
+    # 1-2. draft and build the trees (root = bonus)
+    draft = drafter.draft_logits(target, s.draft_cache, s.bonus, L, settings.draft_depth)  # [B, depth, K]
+    ids = drafter.config.draft_vocab or None  # the draft columns' token ids
+    tree = jax.vmap(lambda d, h, p: _row_tree(d, h, p, settings, ids))(draft, s.history, pos)  # fields [B, N]
+    tokens = tree.tokens.at[:, 0].set(s.bonus)
+    # 3. verify all rows' nodes in one forward: node i of row b at position L[b] + depth_i, seeing its prefix
+    #    and its own ancestors
+    logits, taps, pending = target(tokens, tree_segment(tree, pos), s.cache, tap_layers=settings.tap_layers)
+    # 4. accept, row by row
+    target_tokens = _sample_rows(logits, k_verify, settings.sampling)  # [B, N]
+    path, k = jax.vmap(lambda t, tt: accept_walk(t, tt, D))(tree, target_tokens)  # [B, D + 1], [B]
+    # 5. commit each row's path in the target cache and the drafter context; a done row keeps nothing
+    n = jnp.where(live, k + 1, 0)
+    cache = _pin(settings.layout, pending.commit(path, n, impl=settings.kv_impl))
+    tapped = jnp.take_along_axis(taps, path[:, :, None], axis=1)  # [B, D + 1, taps]
+    draft_cache = _pin(settings.draft_layout, drafter.append_context(s.draft_cache, tapped, n))
+    bonus = jnp.take_along_axis(target_tokens, jnp.take_along_axis(path, k[:, None], 1), 1)[:, 0]  # [B]
+    # emit [accepted drafts..., new bonus] per row
+    i = jnp.arange(D + 1)[None, :]
+    drafted = jnp.take_along_axis(tokens, jnp.take_along_axis(path, jnp.minimum(i + 1, D), 1), 1)  # [B, D + 1]
+    new = jnp.where(i < k[:, None], drafted, jnp.where(i == k[:, None], bonus[:, None], 0))
+    is_eos = jnp.isin(new, jnp.asarray(settings.eos, jnp.int32)) & (i <= k[:, None])
+    n_new = jnp.where(is_eos.any(1), jnp.argmax(is_eos, axis=1) + 1, k + 1)
+    emitted = jnp.where(live, jnp.minimum(s.emitted + n_new, s.max_new), s.emitted)
+    put = jax.vmap(lambda buf, x, at, ok: jnp.where(ok, jax.lax.dynamic_update_slice(buf, x, (at,)), buf))
     return replace(
-        s, cache=cache, draft_cache=draft_cache, bonus=bonus, key=key, emitted=emitted,
-        out=jax.lax.dynamic_update_slice(s.out, new, (s.emitted,)),
-        done=is_eos.any() | (emitted >= s.max_new), rounds=s.rounds + 1,
-        accepted_hist=s.accepted_hist.at[k].add(1), tree_nodes=s.tree_nodes + tree.valid.sum() - 1,
-        history=jax.lax.dynamic_update_slice(s.history, new, (pos + 1,)),
+        s, cache=cache, draft_cache=draft_cache, bonus=jnp.where(live, bonus, s.bonus), key=key, emitted=emitted,
+        out=put(s.out, new, s.emitted, live),
+        done=s.done | is_eos.any(1) | (emitted >= s.max_new), rounds=s.rounds + live,
+        accepted_hist=s.accepted_hist.at[jnp.arange(k.shape[0]), k].add(live.astype(jnp.int32)),
+        tree_nodes=s.tree_nodes + jnp.where(live, tree.valid.sum(1) - 1, 0),
+        history=put(s.history, new, pos + 1, live),
     )
 
 
@@ -276,7 +334,8 @@ def spec_round(target, drafter, s: SpecState, settings: SpecSettings) -> SpecSta
 @_on_kernels
 def spec_decode(target_def, target_params, drafter_def, drafter_params, state: SpecState, stop_at, *,
                 settings: SpecSettings) -> SpecState:
-    """Run rounds until done or until `stop_at` tokens exist (a chunk boundary for streaming)."""
+    """Run rounds until every row is done or every live row has `stop_at` tokens (a chunk boundary for
+    streaming)."""
     target, drafter = nnx.merge(target_def.graphdef, target_params), nnx.merge(drafter_def.graphdef, drafter_params)
-    return jax.lax.while_loop(lambda s: ~s.done & (s.emitted < stop_at),
+    return jax.lax.while_loop(lambda s: jnp.any(~s.done & (s.emitted < stop_at)),
                               lambda s: spec_round(target, drafter, s, settings), state)

@@ -2,7 +2,8 @@
 
 Random tiny models never agree with a random drafter, so lossless tests would only ever exercise
 "accept nothing". The oracle knows the target's greedy continuation (`reference`: prompt + AR greedy
-output) and at committed length L proposes reference[L+1 .. L+B-1], with controllable noise: at each
+output; one per row for a batch) and at committed length L proposes reference[L+1 .. L+B-1], with controllable
+noise: at each
 depth, with probability `noise`, the right token is demoted to rank 2..`max_rank` behind wrong ones.
 So tests reach deep acceptance (noise 0), accepted siblings (noise > 0 with a wide enough tree), and
 full-budget paths, with the engine, tree, walk and commits all real. It plugs into the engine like a
@@ -24,7 +25,7 @@ from jaxspec.model import Model
 class OracleDrafter(nnx.Module):
     def __init__(self, cfg: DrafterConfig, reference, noise: float, max_rank: int, seed: int):
         self.config = cfg
-        self.reference = nnx.Variable(jnp.asarray(reference, jnp.int32), out_sharding=("seq",),  # [R]
+        self.reference = nnx.Variable(jnp.asarray(reference, jnp.int32), out_sharding=("batch", "seq"),  # [B, R]
                                       eager_sharding=False)
         self.noise, self.max_rank, self.seed = float(noise), int(max_rank), int(seed)
 
@@ -35,8 +36,12 @@ class OracleDrafter(nnx.Module):
         return cache.advance(n_valid)
 
     def draft_logits(self, target, cache: Cache, bonus, L, depth: int | None = None):
+        """[B, depth, V]: row b proposes reference[b] after its committed length L[b] - start[b]."""
+        ref = jnp.broadcast_to(self.reference[...], (L.shape[0], self.reference.shape[-1]))
+        return jax.vmap(lambda r, n: self._row(r, n, depth))(ref, L - cache.start)
+
+    def _row(self, ref, L, depth):
         D, V = self.config.block_size - 1, self.config.vocab_size
-        ref = self.reference[...]
         idx = L + 1 + jnp.arange(D)
         right = jnp.where(idx < ref.shape[0], ref[jnp.minimum(idx, ref.shape[0] - 1)], 0)  # [D]
         k_noise, k_rank, k_wrong, k_base = jax.random.split(jax.random.fold_in(jax.random.key(self.seed), L), 4)
@@ -53,7 +58,12 @@ class OracleDrafter(nnx.Module):
 
 def oracle_drafter(model: Model, reference, *, noise: float = 0.0, max_rank: int = 3, block_size: int = 16,
                    seed: int = 0) -> Drafter:
-    """A Drafter whose proposals are `reference` (prompt + the target's greedy output), with noise."""
+    """A Drafter whose proposals are `reference` (prompt + the target's greedy output), with noise. reference: one
+    token list, or one per row of a batch (rows in the batch's order)."""
+    rows = [list(reference)] if np.ndim(reference[0]) == 0 else [list(r) for r in reference]
+    reference = np.zeros((len(rows), max(map(len, rows))), np.int32)  # past a row's end: token 0, never right
+    for b, r in enumerate(rows):
+        reference[b, : len(r)] = r
     t = model.config
     cfg = DrafterConfig(**model.family.drafter_geometry(t), hidden_size=t.hidden_size, num_layers=0,
                         vocab_size=t.vocab_size, block_size=block_size, mask_token_id=0, target_layer_ids=(0,),

@@ -63,12 +63,16 @@ def ancestor_mask(tree: Tree) -> jax.Array:
 
 
 def tree_segment(tree: Tree, offset) -> Segment:
-    """The tree as one verify forward's segment (batch 1): node i at position offset + depth_i, seeing its
-    ancestors; the root continues from the committed cache (parent -1)."""
-    N = tree.parents.shape[0]
+    """Trees as one verify forward's segment: a batch of trees (fields [B, N], offset [B]) or one tree (fields [N],
+    batch 1). Row b's node i sits at position offset[b] + depth_i and sees its own ancestors; the root continues
+    from the committed cache (parent -1)."""
+    if tree.parents.ndim == 1:
+        tree = jax.tree.map(lambda x: x[None], tree)
+    B, N = tree.parents.shape
     parents = jnp.where(jnp.arange(N) == 0, -1, tree.parents)
-    return Segment(positions=(offset + tree.depths)[None].astype(jnp.int32), visible=ancestor_mask(tree)[None],
-                   parents=parents[None].astype(jnp.int32), lengths=jnp.full((1,), N, jnp.int32))
+    offset = jnp.broadcast_to(jnp.asarray(offset, jnp.int32), (B,))
+    return Segment(positions=(offset[:, None] + tree.depths).astype(jnp.int32), visible=jax.vmap(ancestor_mask)(tree),
+                   parents=parents.astype(jnp.int32), lengths=jnp.full((B,), N, jnp.int32))
 
 
 def _log_probs_top_k(draft_logits: jax.Array, k: int, ids=None) -> tuple[jax.Array, jax.Array]:

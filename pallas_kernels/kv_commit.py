@@ -1,24 +1,25 @@
 """Commit an accepted tree path into a KV cache: in-place row compaction.
 
-Tree verification writes the K (or V) of all N = 1 + budget tree nodes at cache slots
-`start .. start+N-1`. After the acceptance walk only the nodes on the accepted path survive
-(`path: [P]`, P = max depth + 1, which may be smaller than N for wide trees), and they must sit
-contiguously at `start .. start+n-1` so the cache again holds one linear sequence:
+Tree verification writes the K (or V) of all N = 1 + budget tree nodes of batch row b at cache slots
+`start[b] .. start[b]+N-1`. After the acceptance walk only the nodes on the row's accepted path survive
+(`path: [B, P]`, P = max depth + 1, which may be smaller than N for wide trees), and they must sit
+contiguously at `start[b] .. start[b]+n[b]-1` so the cache again holds one linear sequence per row:
 
-    for i in range(n): cache[:, :, start + i] = cache[:, :, start + path[i]]
+    for i in range(n[b]): cache[b, :, start[b] + i] = cache[b, :, start[b] + path[b, i]]
 
-`path` is strictly increasing with path[0] == 0, so path[i] >= i: row i only ever reads a slot that
-no earlier row has written, and the loop is safe in place in increasing i. Slots < start are never
-touched; slots >= start+n are scratch afterwards (the next forward overwrites them). Callers must
-keep start + max(N, P) <= T (`dynamic_update_slice` would otherwise clamp the write).
+Each row's path is strictly increasing with path[b, 0] == 0, so path[b, i] >= i: token i only ever reads a
+slot that no earlier token has written, and the loop is safe in place in increasing i. Slots < start[b] are
+never touched; slots >= start[b]+n[b] are scratch afterwards (the next forward overwrites them). Callers must
+keep start[b] + max(N, P) <= T (`dynamic_update_slice` would otherwise clamp the write). A path [P] and
+scalar start, n apply to every row.
 
 What runs where:
   * `kv_commit_reference` (impl="xla"): gather the P accepted rows, write them back at start. Plain
     XLA, runs on every backend; with a donated cache the update is in place.
   * `kv_commit_pallas`: a TPU (Mosaic) kernel. path/start/n are scalar-prefetched into SMEM, the
-    cache stays in HBM (`pl.ANY`), aliased input -> output, and each grid step i < n issues one
-    HBM -> HBM DMA of a [B, H, 1, D] row, skipping rows already in place (path[i] == i). Only rows
-    start .. start+n-1 are written, and nothing passes through VMEM (no VMEM block-shape rules).
+    cache stays in HBM (`pl.ANY`), aliased input -> output, and each grid step (b, i < n[b]) issues one
+    HBM -> HBM DMA of a [1, H, 1, D] row, skipping rows already in place (path[b, i] == i). Only slots
+    start[b] .. start[b]+n[b]-1 are written, and nothing passes through VMEM (no VMEM block-shape rules).
     Tested only on CPU: under `interpret=True` and the TPU simulator `pltpu.InterpretParams()`, and
     lowered to Mosaic for platform "tpu" via `jax.export`; never compiled or run on a real TPU (a
     single-row DMA of a packed dtype such as bf16 is the first thing to check there).
@@ -57,32 +58,44 @@ except ImportError:
     GPU_INTERPRET = None
 
 
+def per_row(B: int, path, start, n):
+    """path [P] or [B, P], start and n [] or [B] -> path [B, P], start [B], n [B] (int32)."""
+    path = jnp.asarray(path, jnp.int32)
+    return (jnp.broadcast_to(path, (B, path.shape[-1])), jnp.broadcast_to(jnp.asarray(start, jnp.int32), (B,)),
+            jnp.broadcast_to(jnp.asarray(n, jnp.int32), (B,)))
+
+
 def kv_commit_reference(cache, path, start, n):
-    """Pure-JAX commit. cache: [B, H, T, D]; path: [P] int32; start, n: [] int32 (may be traced)."""
-    P = path.shape[0]
-    i = jnp.arange(P, dtype=jnp.int32)
-    src = jnp.where(i < n, path.astype(jnp.int32), i)  # rows past n keep themselves
-    rows = jnp.take(cache, start + src, axis=2)  # [B, H, P, D]; path may point past P (wide trees)
-    return lax.dynamic_update_slice_in_dim(cache, rows, start, axis=2)
+    """Pure-JAX commit. cache: [B, H, T, D]; path: [B, P] int32; start, n: [B] int32 (may be traced; the
+    scalar forms apply to every row)."""
+    path, start, n = per_row(cache.shape[0], path, start, n)
+
+    def one(c, p, s, m):  # c [H, T, D]
+        i = jnp.arange(p.shape[0], dtype=jnp.int32)
+        src = jnp.where(i < m, p, i)  # tokens past n keep themselves
+        rows = jnp.take(c, s + src, axis=1)  # [H, P, D]; path may point past P (wide trees)
+        return lax.dynamic_update_slice_in_dim(c, rows, s, axis=1)
+
+    return jax.vmap(one)(cache, path, start, n)
 
 
 def _commit_kernel(path_ref, sn_ref, cache_in_ref, cache_ref, sem):
-    """Grid step i: copy row start+path[i] -> start+i with one DMA (HBM -> HBM).
+    """Grid step (b, i): copy row b's slot start+path[b, i] -> start+i with one DMA (HBM -> HBM).
 
     cache_in_ref aliases cache_ref (one HBM buffer); every copy goes through cache_ref, the buffer
     being updated. Steps run in order ("arbitrary") and each DMA completes before the next starts:
-    row j may read slot path[j] == k that a later row k > j overwrites.
+    token j may read slot path[b, j] == k that a later token k > j overwrites.
     """
     del cache_in_ref
-    i = pl.program_id(0)
-    start, n = sn_ref[0], sn_ref[1]
-    src = path_ref[i]
+    b, i = pl.program_id(0), pl.program_id(1)
+    P = pl.num_programs(1)
+    start, n = sn_ref[2 * b], sn_ref[2 * b + 1]
+    src = path_ref[b * P + i]
 
     @pl.when((i < n) & (src != i))
     def _():
-        copy = pltpu.make_async_copy(
-            cache_ref.at[:, :, pl.ds(start + src, 1), :], cache_ref.at[:, :, pl.ds(start + i, 1), :], sem
-        )
+        row = cache_ref.at[pl.ds(b, 1)]
+        copy = pltpu.make_async_copy(row.at[:, :, pl.ds(start + src, 1), :], row.at[:, :, pl.ds(start + i, 1), :], sem)
         copy.start()
         copy.wait()
 
@@ -93,23 +106,24 @@ def kv_commit_pallas(cache, path, start, n, *, interpret=False):
 
     interpret: False (compile for TPU), True (generic interpreter), or `pltpu.InterpretParams()`.
     """
-    P = path.shape[0]
-    sn = jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(n, jnp.int32)])  # [2]
+    B = cache.shape[0]
+    path, start, n = per_row(B, path, start, n)
+    sn = jnp.stack([start, n], axis=1).reshape(2 * B)  # [2B]: SMEM arrays stay one-dimensional
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         _commit_kernel,
         out_shape=jax.ShapeDtypeStruct(cache.shape, cache.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
-            grid=(P,),
+            grid=(B, path.shape[1]),
             in_specs=[hbm],
             out_specs=hbm,
             scratch_shapes=[pltpu.SemaphoreType.DMA(())],
         ),
         input_output_aliases={2: 0},  # operands are (path, sn, cache)
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
         interpret=interpret,
-    )(path.astype(jnp.int32), sn, cache)
+    )(path.reshape(-1), sn, cache)
 
 
 def _tma_chunk(width: int, itemsize: int) -> int:
@@ -126,10 +140,11 @@ def kv_commit_mosaic_gpu(cache, path, start, n, *, interpret=False):
 
     interpret: False (compile for GPU) or `GPU_INTERPRET` (JAX's Mosaic GPU interpreter, on CPU)."""
     B, H, T, D = cache.shape
-    P = path.shape[0]
+    path, start, n = per_row(B, path, start, n)
+    P = path.shape[1]
     c = _tma_chunk(D, cache.dtype.itemsize)
     rows = cache.reshape(B * H, T, D // c, c)  # [R, T, D/c, c]: one TMA box per token row
-    sn = jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(n, jnp.int32)])  # [2]
+    sn = jnp.stack([start, n], axis=1)  # [B, 2]
 
     def stateful(refs):
         cache_ref, path_ref, sn_ref = refs
@@ -137,11 +152,12 @@ def kv_commit_mosaic_gpu(cache, path, start, n, *, interpret=False):
         @pl.core_map(plgpu.Mesh(grid=(B * H,), grid_names=("row",)), interpret=interpret)
         def _():
             r = lax.axis_index("row")
+            b = r // H
 
             def scoped(stage, barrier):  # stage: SMEM [P, D/c, c]
-                s0, m = sn_ref[0], sn_ref[1]
+                s0, m = sn_ref[b, 0], sn_ref[b, 1]
                 for i in range(P):  # gather every candidate row before any write
-                    plgpu.copy_gmem_to_smem(cache_ref.at[r, s0 + path_ref[i]], stage.at[i], barrier)
+                    plgpu.copy_gmem_to_smem(cache_ref.at[r, s0 + path_ref[b, i]], stage.at[i], barrier)
                 plgpu.barrier_wait(barrier)
                 for i in range(P):
                     @pl.when(i < m)
@@ -151,7 +167,7 @@ def kv_commit_mosaic_gpu(cache, path, start, n, *, interpret=False):
 
             pl.run_scoped(scoped, plgpu.SMEM((P, D // c, c), cache.dtype), plgpu.Barrier(num_arrivals=P))
 
-    out, _, _ = pl.run_state(stateful)((rows, path.astype(jnp.int32), sn))
+    out, _, _ = pl.run_state(stateful)((rows, path, sn))
     return out.reshape(B, H, T, D)
 
 

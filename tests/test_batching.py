@@ -46,6 +46,26 @@ def test_greedy_answers_equal_generate_alone(family):
     assert any(len(w) < m for w, m in zip(want, limits)), "no answer stopped at EOS"
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "deepseek_v3"])
+def test_speculative_answers_equal_generate_alone(family):
+    """The same queue through 3 DDTree slots (a random drafter; prompt lookup on, so some drafts are accepted):
+    rows refilled at any length and round, each answer the target's greedy one."""
+    rng = np.random.default_rng(4)
+    model = FAMILIES[family]()
+    V = model.config.vocab_size
+    prompts = [rng.integers(0, V, int(rng.integers(1, 61))).tolist() for _ in range(7)]
+    limits = rng.integers(1, 40, 7).tolist()
+    model = with_eos(model, prompts)
+    want = [jaxspec.generate(model, input_ids=p, method="ar", max_new_tokens=m).token_ids
+            for p, m in zip(prompts, limits)]
+    d = jaxspec.init_drafter(model, num_layers=1, block_size=8, seed=2)
+    done = []
+    got = generate_many(model, prompts, limits, batch=3, chunk=6, drafter=d, method="ddtree", budget=6,
+                        on_done=done.append)
+    assert got == want
+    assert done == list(range(1, 8))
+
+
 def test_a_refill_wider_than_the_first_prompts():
     """A waiting prompt whose padded width (65 tokens: 128 slots) exceeds what the first prompts and the limits
     alone would size the cache for: it enters a freed row like any other, and its answer is generate's."""

@@ -106,19 +106,21 @@ def random_tree(rng, n):
 
 
 def committed_view(cache):
-    """Every buffer of the cache, restricted to committed slots where it has a `seq` axis."""
+    """Every buffer of every row of the cache, restricted to the row's committed slots where it has a `seq`
+    axis."""
     out = []
     axes = jax.tree.leaves(cache.logical_axes().layers, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    length = np.asarray(cache.length)
     for leaf, spec in zip(jax.tree.leaves(cache.layers), axes, strict=True):
-        leaf = np.asarray(leaf)
-        if "seq" in spec:
-            leaf = np.take(leaf, np.arange(int(cache.length)), axis=tuple(spec).index("seq"))
-        out.append(leaf)
+        for b, row in enumerate(np.asarray(leaf)):
+            if "seq" in spec:
+                row = np.take(row, np.arange(length[b]), axis=tuple(spec).index("seq") - 1)
+            out.append(row)
     return out
 
 
 def assert_same_cache(got, want, atol=ATOL):
-    assert int(got.length) == int(want.length)
+    np.testing.assert_array_equal(np.asarray(got.length), np.asarray(want.length))
     np.testing.assert_array_equal(np.asarray(got.start), np.asarray(want.start))
     for a, b in zip(committed_view(got), committed_view(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=atol)
@@ -168,6 +170,40 @@ def test_verify_commit_equals_causal_prefill(target, case):
     got = forward(target.graphdef, target.params, jnp.asarray(nxt, jnp.int32)[None], Segment.causal(pos), committed)[0]
     ref = forward(target.graphdef, target.params, jnp.asarray(nxt, jnp.int32)[None], Segment.causal(pos), want)[0]
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=LOGIT_ATOL)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_rows_commit_their_own_paths(target, impl):
+    """A batch of two rows with prefixes of different lengths (one right-padded prefill) verifies a different tree
+    per row in one forward and commits paths of different lengths (the deepest node; the root alone): each row's
+    cache equals the causal prefill of its own prefix + path, alone."""
+    rng = np.random.default_rng(11)
+    V = target.config.vocab_size
+    lens = [PREFIX + 4, PREFIX]
+    prefixes = [rng.integers(0, V, n) for n in lens]
+    trees = [random_tree(rng, NODES) for _ in lens]
+    nodes = rng.integers(0, V, (2, NODES))
+    paths = [np.flatnonzero(trees[0][2][int(np.argmax(trees[0][1]))]), np.zeros(1, int)]
+    ids = np.full((2, max(lens)), 5, np.int32)
+    for b, p in enumerate(prefixes):
+        ids[b, : len(p)] = p
+    segment = Segment.causal(jnp.broadcast_to(jnp.arange(max(lens), dtype=jnp.int32), ids.shape),
+                             lengths=jnp.asarray(lens, jnp.int32))
+    _, _, cache = forward(target.graphdef, target.params, jnp.asarray(ids), segment, target.module.init_cache(2, 48))
+    cache = cache.advance(jnp.asarray(lens, jnp.int32))
+    segment = Segment(positions=jnp.asarray([n + t[1] for n, t in zip(lens, trees)], jnp.int32),
+                      visible=jnp.asarray(np.stack([t[2] for t in trees])),
+                      parents=jnp.asarray(np.stack([t[0] for t in trees]), jnp.int32),
+                      lengths=jnp.full((2,), NODES, jnp.int32))
+    _, _, pending = forward(target.graphdef, target.params, jnp.asarray(nodes, jnp.int32), segment, cache)
+    padded = np.zeros((2, NODES), np.int32)
+    for b, p in enumerate(paths):
+        padded[b, : len(p)] = p
+    committed = pending.commit(jnp.asarray(padded), jnp.asarray([len(p) for p in paths], jnp.int32), impl=impl)
+    assert len(paths[0]) >= 3
+    for b in range(2):
+        row = jax.tree.map(lambda x: x[b: b + 1], committed)
+        assert_same_cache(row, prefill(target, np.r_[prefixes[b], nodes[b][paths[b]]], 48), atol=TREE_ATOL)
 
 
 def test_pallas_commit_conforms(target):

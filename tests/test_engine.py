@@ -294,12 +294,12 @@ def test_draft_vocab(tmp_path, target, ar_ref):
     mod = d.module
     cache = mod.append_context(mod.init_cache(1, 32), jax.random.normal(jax.random.key(0), (1, 5, 64 * len(
         d.config.target_layer_ids))), 5)
-    logits = np.asarray(mod.draft_logits(target.module, cache, jnp.int32(PROMPT[0]), jnp.int32(5)))  # [7, K]
+    logits = np.asarray(mod.draft_logits(target.module, cache, jnp.asarray([PROMPT[0]]), jnp.asarray([5])))[0]  # [7, K]
     assert logits.shape == (7, len(vocab)) and np.isfinite(logits).all()
     tree = build_tree(jnp.asarray(logits), 16, vocab)
     assert set(np.asarray(tree.tokens)[np.asarray(tree.valid)][1:]) <= set(vocab)  # proposes only its vocabulary
     for depth in (1, 3):  # DDTree's small budgets draft only their rows, which are the same rows
-        cut = mod.draft_logits(target.module, cache, jnp.int32(PROMPT[0]), jnp.int32(5), depth)
+        cut = mod.draft_logits(target.module, cache, jnp.asarray([PROMPT[0]]), jnp.asarray([5]), depth)[0]
         np.testing.assert_allclose(np.asarray(cut), logits[:depth], rtol=1e-6, atol=1e-6)
     for method, budget in (("dflash", None), ("ddtree", 16)):
         res = jaxspec.generate(target, input_ids=PROMPT, drafter=d, method=method, budget=budget, max_new_tokens=64)
@@ -367,8 +367,8 @@ def test_bad_inputs(tmp_path):
         jaxspec.generate(m, input_ids=PROMPT, method="ddtree")
     with pytest.raises(ValueError, match="lookup must be True or False"):
         jaxspec.generate(m, input_ids=PROMPT, drafter=d, lookup=4)
-    with pytest.raises(ValueError, match="one prompt at a time"):
-        jaxspec.generate(m, input_ids=[PROMPT, PROMPT], drafter=d)
+    with pytest.raises(ValueError, match=r"empty prompt \(row 1 of the batch\)"):
+        jaxspec.generate(m, input_ids=[PROMPT, []], drafter=d)
     with pytest.raises(ValueError, match="context"):
         jaxspec.generate(m, input_ids=PROMPT * 80, drafter=d, max_new_tokens=64)
     with pytest.raises(FileNotFoundError, match="config.json"):

@@ -1,6 +1,6 @@
 """Sharding over 8 fake CPU devices (conftest.py asks XLA for 8): every family generates the same tokens
-sharded (tp = 8, and dp x tp = 2 x 4) as on one device, with AR, DFlash and DDTree; caches stay sharded like
-their layers; the sharded loops lower for the `cuda` platform; bad meshes get clear errors."""
+sharded (tp = 8, and dp x tp = 2 x 4) as on one device, with AR, DFlash and DDTree (one row and a batch); caches
+stay sharded like their layers; the sharded loops lower for the `cuda` platform; bad meshes get clear errors."""
 from __future__ import annotations
 
 import functools
@@ -76,6 +76,9 @@ def test_same_tokens_sharded(name, mesh):
     d = oracle_drafter(m, PROMPT + single, noise=0.3, block_size=5)
     r = jaxspec.generate(m, input_ids=PROMPT, drafter=d, method="ddtree", budget=8, max_new_tokens=NEW)
     assert r.token_ids == single and r.stats["acceptance_length"] > 2.0
+    d = oracle_drafter(m, [PROMPT + batch[0], PROMPT[3:] + batch[1]], noise=0.3, block_size=5)  # rows split on dp
+    r = jaxspec.generate(m, input_ids=[PROMPT, PROMPT[3:]], drafter=d, method="ddtree", budget=8, max_new_tokens=NEW)
+    assert r.token_ids == batch
     if mesh != "tp8":
         return  # the DFlash drafter's layers shard by the same rules as dense targets: one mesh suffices
     d = jaxspec.init_drafter(m, num_layers=1, block_size=4)  # a real DFlash drafter, placed on the target's mesh

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     prompt, key, n = jnp.zeros((1, 64), jnp.int32), jax.random.key(0), jnp.int32(100)
     spec = engine.spec_prefill(model.jit_def, model.params, drafter.jit_def, drafter.params, prompt, jnp.int32(10),
                                key, n, max_len=512, out_len=128, settings=settings)
-    stop = jnp.int32(int(spec.emitted))  # already reached: the loop runs no round
+    stop = jnp.int32(int(spec.emitted.max()))  # already reached: the loop runs no round
     ar = engine.ar_prefill(model.jit_def, model.params, prompt, jnp.zeros((1,), jnp.int32), key, n, max_len=512,
                            out_len=128, sampling=greedy, eos=eos)
     t_spec = per_call(lambda s: engine.spec_decode(model.jit_def, model.params, drafter.jit_def, drafter.params, s,

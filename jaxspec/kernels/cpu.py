@@ -347,7 +347,7 @@ ATTENTION_ROWS = 64
 
 
 def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, softcap: float | None, xla):
-    """Attention of q [B, N, H, D] over the cache k_old, v_old [B, KVH, T, D] (slots < length) and this
+    """Attention of q [B, N, H, D] over the cache k_old, v_old [B, KVH, T, D] (row b's slots < length[b]) and this
     forward's k_new, v_new [B, N, KVH, D], mask [B, N, T] over the written cache -> [B, N, H, D], on the kernel
     where it may run here (float32, N <= ATTENTION_ROWS, D a multiple of 16, no multi-device mesh), else
     `xla(...)` on the same arguments (attention.attend_and_write's reference form). The kernel reads only the
@@ -359,7 +359,7 @@ def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, s
 
     def kernel(q, k_old, v_old, k_new, v_new, length, mask):
         call = jax.ffi.ffi_call(ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
-        return call(q, k_old, v_old, k_new, v_new, mask, jnp.asarray(length, jnp.int32).reshape(()),
+        return call(q, k_old, v_old, k_new, v_new, mask, jnp.broadcast_to(jnp.asarray(length, jnp.int32), q.shape[:1]),
                     scale=np.float32(scale), softcap=np.float32(softcap or 0.0))
 
     return on_cpu(kernel, xla, *args)

@@ -835,9 +835,9 @@ ffi::Error Argmax(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> y) {
 
 
 // Attention of N new tokens over a KV cache: o [B, N, H, D] from q [B, N, H, D], the cache k_old, v_old
-// [B, KVH, T, D] (slots < length committed), this forward's k_new, v_new [B, N, KVH, D] and mask [B, N, T]
-// over the written cache (old slot j visible when j < length and mask[j]; new key i when mask[s0 + i],
-// s0 = clamp(length, 0, T - N)). Query head h reads KV head h / (H / KVH). Scores are q.k * scale (then
+// [B, KVH, T, D] (row b's slots < length[b] committed), this forward's k_new, v_new [B, N, KVH, D] and mask
+// [B, N, T] over the written cache (old slot j visible when j < length[b] and mask[j]; new key i when
+// mask[s0 + i], s0 = clamp(length[b], 0, T - N)). Query head h reads KV head h / (H / KVH). Scores are q.k * scale (then
 // softcap * tanh(. / softcap) when softcap > 0), softmax in float32; a row that sees nothing averages all
 // T + N values (what a finite -1e30 fill gives; only padding rows). Reference: attention.attend_and_write's
 // XLA form. Why it exists: XLA:CPU spends several small batched products, transposes and a softmax over
@@ -858,13 +858,14 @@ inline __m512 exp512(__m512 x) {  // e^x for x <= 0 (softmax): Cody-Waite range 
 struct Attn {
   const float *q, *k_old, *v_old, *k_new, *v_new;
   const bool* mask;
+  const int32_t* length;  // [B]
   float* o;
-  int64_t B, N, H, KVH, T, D, length, s0;
+  int64_t B, N, H, KVH, T, D;
   float scale, softcap;
 };
 
 // Query rows [r_lo, r_hi) of KV head kvh in batch row b, of its G heads x N new tokens (row g * N + n). With 24
-// rows or more the keys are laid out transposed (KT [D, S], S = length + N, rounded up to 32) so scores come
+// rows or more the keys are laid out transposed (KT [D, S], S = length[b] + N, rounded up to 32) so scores come
 // 32 keys to two vectors for 4 rows at a time; the softmax runs over S, then P [rows, S] x V. Buffers are the
 // caller's, reused across heads.
 struct AttnScratch {
@@ -891,7 +892,8 @@ inline __m512 sum16(const __m512 (&v)[16]) {
 }
 
 void attend_head(const Attn& a, int64_t b, int64_t kvh, int64_t r_lo, int64_t r_hi, AttnScratch& w) {
-  const int64_t G = a.H / a.KVH, L = a.length, D = a.D, N = a.N, S = L + N, SP = (S + 31) / 32 * 32, R = r_hi - r_lo;
+  const int64_t G = a.H / a.KVH, L = std::clamp<int64_t>(a.length[b], 0, a.T), s0 = std::clamp<int64_t>(a.length[b], 0, a.T - a.N);
+  const int64_t D = a.D, N = a.N, S = L + N, SP = (S + 31) / 32 * 32, R = r_hi - r_lo;
   const float* kc = a.k_old + (b * a.KVH + kvh) * a.T * D;
   const float* vc = a.v_old + (b * a.KVH + kvh) * a.T * D;
   auto key = [&](int64_t j) { return j < L ? kc + j * D : a.k_new + ((b * N + j - L) * a.KVH + kvh) * D; };
@@ -903,7 +905,7 @@ void attend_head(const Attn& a, int64_t b, int64_t kvh, int64_t r_lo, int64_t r_
     const bool* m = a.mask + (b * N + n) * a.T;
     uint8_t* v = w.vis.data() + n * SP;
     for (int64_t j = 0; j < L; ++j) v[j] = m[j];
-    for (int64_t i = 0; i < N; ++i) v[L + i] = m[a.s0 + i];
+    for (int64_t i = 0; i < N; ++i) v[L + i] = m[s0 + i];
     for (int64_t j = S; j < SP; ++j) v[j] = 0;
   }
   // local row r is head row r_lo + r = g * N + n: head kvh * G + g, token n
@@ -1023,23 +1025,24 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
                           ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> length, ffi::ResultBuffer<ffi::F32> o,
                           float scale, float softcap) {
   auto qd = q.dimensions(), kd = k_old.dimensions(), nd = k_new.dimensions(), md = mask.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || nd.size() != 4 || md.size() != 3 || length.element_count() != 1 ||
+  if (qd.size() != 4 || kd.size() != 4 || nd.size() != 4 || md.size() != 3 ||
+      length.element_count() != static_cast<size_t>(qd[0]) ||
       kd[0] != qd[0] || kd[1] == 0 || qd[2] % kd[1] || kd[3] != qd[3] || nd[0] != qd[0] || nd[1] != qd[1] ||
       nd[2] != kd[1] || nd[3] != qd[3] || md[0] != qd[0] || md[1] != qd[1] || md[2] != kd[2] ||
       v_old.element_count() != k_old.element_count() || v_new.element_count() != k_new.element_count() || kd[2] < nd[1])
     return ffi::Error::InvalidArgument("cache_attention: expects q [B, N, H, D], k/v_old [B, KVH, T, D], "
-                                       "k/v_new [B, N, KVH, D], mask [B, N, T] with KVH | H and N <= T");
+                                       "k/v_new [B, N, KVH, D], mask [B, N, T], length [B] with KVH | H and N <= T");
   if (qd[3] % 16) return ffi::Error::InvalidArgument("cache_attention: head_dim must be a multiple of 16");
   Attn a{q.typed_data(), k_old.typed_data(), v_old.typed_data(), k_new.typed_data(), v_new.typed_data(),
-         mask.typed_data(), o->typed_data(), qd[0], qd[1], qd[2], kd[1], kd[2], qd[3], 0, 0, scale, softcap};
+         mask.typed_data(), length.typed_data(), o->typed_data(), qd[0], qd[1], qd[2], kd[1], kd[2], qd[3], scale,
+         softcap};
   if (a.B * a.N * a.H == 0) return ffi::Error::Success();
-  const int64_t len = length.typed_data()[0];
-  a.length = std::clamp<int64_t>(len, 0, a.T);
-  a.s0 = std::clamp<int64_t>(len, 0, a.T - a.N);
+  int64_t longest = 0;
+  for (int64_t b = 0; b < a.B; ++b) longest = std::max<int64_t>(longest, std::clamp<int64_t>(a.length[b], 0, a.T));
   // Items: (batch row, KV head, part of its G x N query rows); a verify's heads split in two so that two
   // threads share 3 KV heads evenly.
   const int64_t R = a.H / a.KVH * a.N, parts = R >= 16 ? 2 : 1;
-  parallel(pool, a.B * a.KVH * parts, 1, 1, a.B * a.N * a.H * (a.length + a.N) * a.D, [a, R, parts](int64_t i0, int64_t i1) {
+  parallel(pool, a.B * a.KVH * parts, 1, 1, a.B * a.N * a.H * (longest + a.N) * a.D, [a, R, parts](int64_t i0, int64_t i1) {
     AttnScratch w;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t part = i % parts, head = i / parts;

@@ -67,8 +67,8 @@ def latent_attention(q, latent, mask, scale: float, value_dim: int):
 
 def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, softcap: float | None = None):
     """Softmax attention (float32) of q [B, N, H, D] over the committed slots of the cache k_old, v_old
-    [B, KVH, T, D] (slot t where t < length and mask[..., t]) and this forward's k_new, v_new [B, N, KVH, D]
-    (new key i where mask[..., length + i]) -> [B, N, H, D].
+    [B, KVH, T, D] (row b's slot t where t < length[b] and mask[b, :, t]) and this forward's k_new, v_new
+    [B, N, KVH, D] (new key i where mask[b, :, s0 + i], s0 = clip(length[b], 0, T - N)) -> [B, N, H, D].
 
     The new keys sit beside the cache instead of being written first: the caller writes them after this read,
     so XLA updates the buffer in place (attention.attend_and_write). Each KV head's query group is one
@@ -83,8 +83,10 @@ def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, s
     s = s.reshape(B, KVH, G, N, T + N)
     if softcap:
         s = softcap * jnp.tanh(s / softcap)
-    old = mask & (jnp.arange(T) < length)[None, None, :]
-    new = jax.lax.dynamic_slice_in_dim(mask, length, N, axis=2)
+    length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), (B,))
+    old = mask & (jnp.arange(T)[None, :] < length[:, None])[:, None, :]
+    s0 = jnp.clip(length, 0, T - N)
+    new = jnp.take_along_axis(mask, jnp.broadcast_to((s0[:, None] + jnp.arange(N))[:, None, :], (B, N, N)), axis=2)
     s = jnp.where(jnp.concatenate([old, new], -1)[:, None, None], s, NEG_INF)
     p = jax.nn.softmax(s, axis=-1).astype(v_old.dtype).reshape(B, KVH, G * N, T + N)
     o = (jnp.einsum("bkqt,bktd->bkqd", p[..., :T], v_old, preferred_element_type=jnp.float32)

@@ -40,7 +40,7 @@ class AttentionSpec:
 def cache_mask(positions, length, start, visible, max_len):
     """Visibility of every cache slot for every new token.
 
-    positions: [B, N] RoPE positions of the new tokens; length: [] committed slots; start: [B] first
+    positions: [B, N] RoPE positions of the new tokens; length: [B] committed slots; start: [B] first
     real slot per row; visible: [B, N, N] which new tokens each new token sees (causal or ancestors).
     Slots before `start` are hidden here even when new, so a left-padded prefill may pass a plain causal
     `visible`. Returns mask [B, N, T] bool and key positions [B, T] (used by sliding windows).
@@ -48,15 +48,14 @@ def cache_mask(positions, length, start, visible, max_len):
     B, N = positions.shape
     slot = jnp.arange(max_len)
     real = slot[None, :] >= start[:, None]  # [B, T]: left-padding slots are never visible, even when new
-    committed = real & (slot[None, :] < length)  # [B, T]
-    j = slot - length  # index into the new tokens
+    committed = real & (slot[None, :] < length[:, None])  # [B, T]
+    j = slot[None, :] - length[:, None]  # [B, T]: index into the new tokens
     is_new = (j >= 0) & (j < N)
     jc = jnp.clip(j, 0, N - 1)
-    new_vis = jnp.take_along_axis(visible, jnp.broadcast_to(jc, (B, N, max_len)), axis=2)
+    new_vis = jnp.take_along_axis(visible, jnp.broadcast_to(jc[:, None, :], (B, N, max_len)), axis=2)
     new_vis = new_vis & (is_new & real)[:, None, :]  # [B, N, T]
     mask = committed[:, None, :] | new_vis
-    key_pos = jnp.where(is_new[None, :], jnp.take_along_axis(positions, jnp.broadcast_to(jc, (B, max_len)), 1),
-                        slot[None, :] - start[:, None])
+    key_pos = jnp.where(is_new, jnp.take_along_axis(positions, jc, 1), slot[None, :] - start[:, None])
     return mask, key_pos
 
 
@@ -73,7 +72,7 @@ def attend(q, k, v, mask, scale, softcap=None):
 
 def attend_and_write(q, entry: KVEntry, k_new, v_new, length, mask, scale, softcap=None):
     """`attend` q over the cache plus this forward's k_new, v_new [B, N, KVH, D] (mask [B, N, T] as over the
-    written cache: the new keys' columns are length .. length + N - 1), and the entry with them written.
+    written cache: row b's new keys' columns are length[b] .. length[b] + N - 1), and the entry with them written.
 
     Why not write first and attend over the written buffer: XLA:CPU then duplicates the write into the
     attention's operand fusion and copies every cache buffer several times a step. Here the attention reads
@@ -86,8 +85,8 @@ def attend_and_write(q, entry: KVEntry, k_new, v_new, length, mask, scale, softc
 
 
 def attend_cache(q, k_old, v_old, k_new, v_new, length, mask, scale, softcap=None):
-    """q [B, N, H, D] over the committed slots of k_old, v_old [B, KVH, T, D] (slots < length where mask) and
-    k_new, v_new [B, N, KVH, D] (new key i where mask[..., length + i]) -> [B, N, H, D]
+    """q [B, N, H, D] over the committed slots of k_old, v_old [B, KVH, T, D] (row b's slots < length[b] where
+    mask) and k_new, v_new [B, N, KVH, D] (new key i where mask[b, :, length[b] + i]) -> [B, N, H, D]
     (`kernels.cache_attention`)."""
     return kernels.cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale, softcap)
 

@@ -47,7 +47,7 @@ def block_attention(attn: Attention, x, positions, ctx_k, ctx_v, ctx_mask, ctx_p
         cm = cm & (positions[:, :, None] - ctx_pos[:, None, :] < attn.spec.window)
     if length is not None:
         slot = jnp.arange(T)
-        s0 = jnp.clip(length, 0, T - N)  # where attend_cache reads the new keys' visibility
+        s0 = jnp.clip(length, 0, T - N)[:, None, None]  # [B, 1, 1]: where attend_cache reads the new keys' visibility
         o = attend_cache(q, ctx_k, ctx_v, kb, vb, length, cm | ((slot >= s0) & (slot < s0 + N)), attn.spec.scale,
                          attn.spec.softcap)
         return attn.o_proj(o.reshape(B, N, -1))
@@ -93,14 +93,15 @@ class DFlashDrafter(nnx.Module):
         """
         B, n, _ = taps.shape
         ctx = self.hidden_norm(self.fc(taps))
-        pos = cache.length - cache.start[:, None] + jnp.arange(n)[None, :]
+        pos = (cache.length - cache.start)[:, None] + jnp.arange(n)[None, :]
         layers = tuple(e.write(*layer.self_attn.keys_values(ctx, pos), cache.length)
                        for e, layer in zip(cache.layers, self.layers))
         return dataclasses.replace(cache, layers=layers).advance(n_valid)
 
     def draft_logits(self, target, cache: Cache, bonus, L, depth: int | None = None):
-        """Draft logits for the block [bonus, MASK x (B-1)] at positions L.. -> float32 [depth, K], over the
-        draft vocabulary (column j is token `config.draft_vocab[j]`) when there is one, else over all V tokens.
+        """Draft logits for each row's block [bonus[b], MASK x (Bk-1)] at slots L[b].. -> float32 [B, depth, K],
+        over the draft vocabulary (column j is token `config.draft_vocab[j]`) when there is one, else over all V
+        tokens. bonus, L: [B] (the cache's rows).
 
         target supplies the (frozen) embedding and LM head: `target.embed`, `target.head`. depth (static,
         default B-1): the rows of depths 1..depth only. The whole block still goes through the layers, so
@@ -112,9 +113,10 @@ class DFlashDrafter(nnx.Module):
         """
         Bk = self.config.block_size
         depth = Bk - 1 if depth is None else depth
-        block = jnp.full((1, Bk), self.config.mask_token_id, jnp.int32).at[0, 0].set(bonus)
-        pos = (L - cache.start[0] + jnp.arange(Bk, dtype=jnp.int32))[None]
-        return self.head(target, self(target.embed(block), pos, cache)[0, 1 : 1 + depth])
+        B = cache.start.shape[0]
+        block = jnp.full((B, Bk), self.config.mask_token_id, jnp.int32).at[:, 0].set(bonus)
+        pos = (L - cache.start)[:, None] + jnp.arange(Bk, dtype=jnp.int32)[None, :]
+        return self.head(target, self(target.embed(block), pos, cache)[:, 1 : 1 + depth])
 
     def head(self, target, h):
         """h [..., H] -> float32 logits over the draft vocabulary [..., K] (the target's V without one).
@@ -151,7 +153,7 @@ class DFlashDrafter(nnx.Module):
         The caller applies the target's LM head to rows 1.. to get the draft distributions.
         """
         slot = jnp.arange(cache.max_len)
-        ctx_mask = (slot[None, :] >= cache.start[:, None]) & (slot[None, :] < cache.length)  # [B, T]
+        ctx_mask = (slot[None, :] >= cache.start[:, None]) & (slot[None, :] < cache.length[:, None])  # [B, T]
         ctx_pos = slot[None, :] - cache.start[:, None]
         x = block_emb
         for i, layer in enumerate(self.layers):

@@ -82,17 +82,23 @@ class GDNEntry:
         return GDNEntry(self.pending.conv, self.pending.state)
 
     def commit(self, path, n, length, impl: str) -> "GDNEntry":
-        """Keep tree nodes path[:n]: eq. (1) with i = path[n-1] over the accepted nodes (closed form, no
-        per-node states), and the conv window = the last K-1 inputs of [old window | accepted inputs].
-        `length` and `impl` address KV slots; a recurrent entry has none."""
+        """Keep each row's tree nodes path[b, :n[b]] (path [B, P], n [B]): eq. (1) with i = path[b, n[b]-1] over
+        the accepted nodes (closed form, no per-node states), and the conv window = the last K-1 inputs of
+        [old window | accepted inputs]. `length` and `impl` address KV slots; a recurrent entry has none."""
         p = self.pending
         r = p.u.shape[2] // p.k.shape[2]
-        on = jnp.arange(path.shape[0]) < n  # [P]
-        g_last = p.gamma[:, path[jnp.maximum(n - 1, 0)]]  # [B, Hv]
-        k = jnp.repeat(p.k[:, path], r, axis=2)  # [B, P, Hv, dk]
-        state = state_at(self.state, k, p.u[:, path], p.gamma[:, path], jnp.broadcast_to(on, k.shape[:2]), g_last)
-        ext = jnp.concatenate([self.conv, p.x[:, path].astype(self.conv.dtype)], axis=1)  # [B, K-1+P, C]
-        conv = jax.lax.dynamic_slice_in_dim(ext, n, self.conv.shape[1], axis=1)
+
+        def take(x):  # x [B, N, ...] -> the path's nodes [B, P, ...]
+            return jnp.take_along_axis(x, path.reshape(path.shape + (1,) * (x.ndim - 2)), axis=1)
+
+        on = jnp.arange(path.shape[1])[None, :] < n[:, None]  # [B, P]
+        last = jnp.take_along_axis(path, jnp.maximum(n - 1, 0)[:, None], axis=1)  # [B, 1]
+        g_last = jnp.take_along_axis(p.gamma, last[:, :, None], axis=1)[:, 0]  # [B, Hv]
+        k = jnp.repeat(take(p.k), r, axis=2)  # [B, P, Hv, dk]
+        state = state_at(self.state, k, take(p.u), take(p.gamma), on, g_last)
+        ext = jnp.concatenate([self.conv, take(p.x).astype(self.conv.dtype)], axis=1)  # [B, K-1+P, C]
+        K1 = self.conv.shape[1]
+        conv = jax.vmap(lambda e, m: jax.lax.dynamic_slice_in_dim(e, m, K1, axis=0))(ext, n)
         return GDNEntry(conv, state)
 
 

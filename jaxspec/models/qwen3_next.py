@@ -239,7 +239,7 @@ class HybridLM(nnx.Module):
         B, N = tokens.shape
         mask, key_pos = cache_mask(segment.positions, cache.length, cache.start, segment.visible, cache.max_len)
         i = jnp.arange(N)[None]
-        real = (cache.length + i >= cache.start[:, None]) & (i < segment.lengths[:, None])  # [B, N]
+        real = (cache.length[:, None] + i >= cache.start[:, None]) & (i < segment.lengths[:, None])  # [B, N]
         x = self.embed(tokens)
         entries, tapped = list(cache.layers), {}
         for n, layer in enumerate(self.layers):

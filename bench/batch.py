@@ -1,0 +1,101 @@
+"""Speculative decoding for a batch: total decode tokens/s and acceptance length of AR and DDTree at batch sizes
+B = 1, 2, 4, ..., in one run, every row's output checked equal to AR's.
+
+Targets: the bundled SmolLM2-135M with its shipped drafter on held-out prompts (never used in training), or
+`--model qwen35` (a random Qwen3.5-shaped hybrid GDN target) with the oracle drafter. At each B the same
+prompts run as ceil(prompts / B) batches of B rows (greedy, `max_new_tokens` each); each configuration runs
+twice and the second (compiled) run is timed. Tokens/s = decoded tokens (the prefill's first token aside) over
+the decode seconds summed over batches, as `generate`'s stats count them.
+
+    python bench/batch.py --batches 1,2,4,8,16 --prompts 16 --budget 8
+    python bench/batch.py --model qwen35 --batches 1,4,16
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jaxspec  # noqa: E402
+from jaxspec.cli import bundled_model, default_drafter  # noqa: E402
+from jaxspec.model import encode_prompt  # noqa: E402
+from jaxspec.models.qwen3_next import hybrid_config_from_dict  # noqa: E402
+from jaxspec.testing import oracle_drafter  # noqa: E402
+from jaxspec.train.data import read_prompts  # noqa: E402
+
+QWEN35 = dict(model_type="qwen3_5_text", vocab_size=8192, hidden_size=512, intermediate_size=1536,
+              num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
+              linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64, full_attention_interval=4,
+              max_position_embeddings=4096, eos_token_id=None, bos_token_id=None,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25})
+
+
+def decode_rate(model, rows, B, max_new, drafter_for=None, **kw):
+    """(token rows, decoded tokens, decode seconds, rounds) over batches of B rows; the second of two runs.
+    drafter_for(i, batch): the drafter for the batch starting at row i."""
+    for _ in range(2):
+        out, tokens, seconds, rounds = [], 0, 0.0, 0
+        for i in range(0, len(rows), B):
+            batch = rows[i: i + B]
+            drafter = drafter_for(i, batch) if drafter_for else None
+            r = jaxspec.generate(model, input_ids=batch, max_new_tokens=max_new, drafter=drafter, **kw)
+            out += r.token_ids
+            tokens += r.stats.new_tokens - len(batch)
+            seconds += r.stats.decode_s
+            rounds += r.stats.rounds or 0
+    return out, tokens, seconds, rounds
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2", choices=("smollm2", "qwen35"))
+    ap.add_argument("--batches", default="1,2,4,8,16")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--budget", type=int, default=8, help="DDTree's tree size (one for every batch size)")
+    ap.add_argument("--noise", type=float, default=0.1, help="oracle drafter (qwen35): chance a right token is demoted")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+
+    if args.model == "smollm2":
+        path = bundled_model()
+        model = jaxspec.load(path)
+        drafter = jaxspec.load_drafter(default_drafter(path), model)
+        rows = [encode_prompt(model, p, None) for p in read_prompts("heldout")[: args.prompts]]
+    else:
+        drafter = None  # the oracle, per batch
+        model = jaxspec.random_model(hybrid_config_from_dict(QWEN35), seed=0)
+        model.params = jax.tree.map(lambda x: x * 2.0, model.params)
+        rng = np.random.RandomState(0)
+        rows = [rng.randint(0, QWEN35["vocab_size"], int(rng.randint(16, 64))).tolist() for _ in range(args.prompts)]
+    results = []
+    for B in batches:
+        ar_rows, ar_tokens, ar_s, _ = decode_rate(model, rows, B, args.max_new_tokens, method="ar")
+        refs = [r + a for r, a in zip(rows, ar_rows)]
+
+        def drafter_for(i, batch):
+            return drafter if drafter is not None else oracle_drafter(model, refs[i: i + len(batch)], noise=args.noise)
+
+        out, tokens, s, rounds = decode_rate(model, rows, B, args.max_new_tokens, drafter_for, method="ddtree",
+                                             budget=args.budget)
+        assert out == ar_rows, f"B={B}: DDTree rows differ from AR's"
+        al = tokens / rounds if rounds else 0.0
+        row = dict(batch=B, ar_tokens_per_s=ar_tokens / ar_s, ddtree_tokens_per_s=tokens / s,
+                   speedup=(tokens / s) / (ar_tokens / ar_s), acceptance_length=al)
+        results.append(row)
+        print(f"B={B:>3}  AR {row['ar_tokens_per_s']:8.1f} tok/s  DDTree@{args.budget} "
+              f"{row['ddtree_tokens_per_s']:8.1f} tok/s  x{row['speedup']:.2f}  AL {al:.2f}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(model=args.model, prompts=len(rows), budget=args.budget,
+                                                   max_new_tokens=args.max_new_tokens, rows=results), indent=2))
+
+
+if __name__ == "__main__":
+    main()
