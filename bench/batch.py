@@ -7,8 +7,8 @@ prompts run as ceil(prompts / B) batches of B rows (greedy, `max_new_tokens` eac
 twice and the second (compiled) run is timed. Tokens/s = decoded tokens (the prefill's first token aside) over
 the decode seconds summed over batches, as `generate`'s stats count them.
 
-    python bench/batch.py --batches 1,2,4,8,16 --prompts 16 --budget 8
-    python bench/batch.py --model qwen35 --batches 1,4,16
+    python bench/batch.py --batches 1,2,4,8,16 --prompts 16
+    python bench/batch.py --model qwen35 --batches 1,4,16 --budget 8
 """
 from __future__ import annotations
 
@@ -37,10 +37,10 @@ QWEN35 = dict(model_type="qwen3_5_text", vocab_size=8192, hidden_size=512, inter
 
 
 def decode_rate(model, rows, B, max_new, drafter_for=None, **kw):
-    """(token rows, decoded tokens, decode seconds, rounds) over batches of B rows; the second of two runs.
-    drafter_for(i, batch): the drafter for the batch starting at row i."""
+    """(token rows, decoded tokens, decode seconds, rounds, budgets used) over batches of B rows; the second of
+    two runs. drafter_for(i, batch): the drafter for the batch starting at row i."""
     for _ in range(2):
-        out, tokens, seconds, rounds = [], 0, 0.0, 0
+        out, tokens, seconds, rounds, budgets = [], 0, 0.0, 0, set()
         for i in range(0, len(rows), B):
             batch = rows[i: i + B]
             drafter = drafter_for(i, batch) if drafter_for else None
@@ -49,7 +49,8 @@ def decode_rate(model, rows, B, max_new, drafter_for=None, **kw):
             tokens += r.stats.new_tokens - len(batch)
             seconds += r.stats.decode_s
             rounds += r.stats.rounds or 0
-    return out, tokens, seconds, rounds
+            budgets.add(r.stats.budget)
+    return out, tokens, seconds, rounds, sorted(b for b in budgets if b is not None)
 
 
 def main(argv=None) -> None:
@@ -58,11 +59,14 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", default="1,2,4,8,16")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--budget", type=int, default=8, help="DDTree's tree size (one for every batch size)")
+    ap.add_argument("--budget", default="auto",
+                    help="DDTree's tree size: auto (timed per batch size; needs the drafter's acceptance.json, so "
+                         "smollm2 only) or one number for every batch size")
     ap.add_argument("--noise", type=float, default=0.1, help="oracle drafter (qwen35): chance a right token is demoted")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
+    budget = args.budget if args.budget == "auto" else int(args.budget)
 
     if args.model == "smollm2":
         path = bundled_model()
@@ -77,20 +81,20 @@ def main(argv=None) -> None:
         rows = [rng.randint(0, QWEN35["vocab_size"], int(rng.randint(16, 64))).tolist() for _ in range(args.prompts)]
     results = []
     for B in batches:
-        ar_rows, ar_tokens, ar_s, _ = decode_rate(model, rows, B, args.max_new_tokens, method="ar")
+        ar_rows, ar_tokens, ar_s, _, _ = decode_rate(model, rows, B, args.max_new_tokens, method="ar")
         refs = [r + a for r, a in zip(rows, ar_rows)]
 
         def drafter_for(i, batch):
             return drafter if drafter is not None else oracle_drafter(model, refs[i: i + len(batch)], noise=args.noise)
 
-        out, tokens, s, rounds = decode_rate(model, rows, B, args.max_new_tokens, drafter_for, method="ddtree",
-                                             budget=args.budget)
+        out, tokens, s, rounds, used = decode_rate(model, rows, B, args.max_new_tokens, drafter_for, method="ddtree",
+                                             budget=budget)
         assert out == ar_rows, f"B={B}: DDTree rows differ from AR's"
         al = tokens / rounds if rounds else 0.0
         row = dict(batch=B, ar_tokens_per_s=ar_tokens / ar_s, ddtree_tokens_per_s=tokens / s,
-                   speedup=(tokens / s) / (ar_tokens / ar_s), acceptance_length=al)
+                   speedup=(tokens / s) / (ar_tokens / ar_s), acceptance_length=al, budgets=used)
         results.append(row)
-        print(f"B={B:>3}  AR {row['ar_tokens_per_s']:8.1f} tok/s  DDTree@{args.budget} "
+        print(f"B={B:>3}  AR {row['ar_tokens_per_s']:8.1f} tok/s  DDTree@{','.join(map(str, used))} "
               f"{row['ddtree_tokens_per_s']:8.1f} tok/s  x{row['speedup']:.2f}  AL {al:.2f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(model=args.model, prompts=len(rows), budget=args.budget,

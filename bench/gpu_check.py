@@ -8,7 +8,7 @@ Llama and Qwen3.6-27B (hybrid GDN), bf16, on one GPU (an H100 80 GB holds the 27
     whole buffer; the roofline of an AR step is the bytes it reads (the weights but the embedding table's unread
     rows, and the KV buffer) over the measured bandwidth; then AR and DDTree (budget 64, the oracle drafter
     proposing the target's greedy continuation, so deep paths are accepted) end to end: tokens/s, acceptance
-    length, rounds/s.
+    length, rounds/s; last, batches of 4 and 16 rows: an AR step and a verify of B trees of 16 nodes.
 
 Survival on a 15-minute lease: the weights are rescaled leaf by leaf with donation (never two copies of the 54 GB),
 every section runs in its own try/except that records the error and goes on, the JSON is rewritten after every
@@ -77,10 +77,12 @@ class Plan:
     new_tokens: int = 128
     budget: int = 64  # verified at both buffers first, and DDTree's end to end
     more_budgets: tuple[int, ...] = (16, 128, 32)  # then these, if time allows
+    batches: tuple[int, ...] = (4, 16)  # batched AR step and verify (B rows x (1 + batch_budget) nodes), last
+    batch_budget: int = 16
 
 
 DRY = Plan(dtype="float32", long=1024, reps=2, bandwidth_elems=1 << 20, commit_slots=512, new_tokens=24,
-           more_budgets=(16,))
+           more_budgets=(16,), batches=(2,), batch_budget=8)
 
 
 class Interrupted(BaseException):
@@ -276,9 +278,9 @@ def forward_fn(m):
     return forward
 
 
-def filled_cache(m, slots: int, used: int):
-    """A zero cache of `slots` slots with its first `used` committed (scalar or per-row length alike)."""
-    cache = m.module.init_cache(1, slots)
+def filled_cache(m, slots: int, used: int, batch: int = 1):
+    """A zero cache of `batch` rows of `slots` slots with their first `used` committed."""
+    cache = m.module.init_cache(batch, slots)
     return dataclasses.replace(cache, length=jnp.full_like(cache.length, used))
 
 
@@ -344,6 +346,31 @@ def verify(out: dict, ctx: dict, plan: Plan, clock: Clock, budgets) -> None:
             free(cache)
 
 
+def batched(out: dict, ctx: dict, plan: Plan, clock: Clock) -> None:
+    """A batch of B rows in the tight buffer: one AR step (B tokens) and one verify of B trees of `batch_budget`
+    nodes (what a batched DDTree round verifies), against B AR steps at batch 1 (what the rows cost alone)."""
+    m, fwd = ctx["model"], ctx["forward"]
+    draft = jax.random.normal(jax.random.key(2), (15, m.config.vocab_size)) * 3
+    tokens, segment = tree_inputs(draft, plan.batch_budget, jnp.int32(plan.used))
+    out["rows"] = rows = []
+    for B in plan.batches:
+        if clock.left() < 2.4 * ctx.get("program_s", 0):
+            rows.append(dict(batch=B, skipped="time"))
+            continue
+        cache = filled_cache(m, plan.tight, plan.used, B)
+        rep = functools.partial(jnp.repeat, repeats=B, axis=0)
+        ar, _ = timed(fwd, m.params, jnp.zeros((B, 1), jnp.int32),
+                      Segment.causal(jnp.full((B, 1), plan.used, jnp.int32)), cache, reps=plan.reps)
+        ver, _ = timed(fwd, m.params, rep(tokens), jax.tree.map(rep, segment), cache, reps=plan.reps)
+        row = dict(batch=B, budget=plan.batch_budget, ar_ms=ar * 1e3, verify_ms=ver * 1e3, verify_over_ar=ver / ar)
+        alone = ctx.get("ar_ms", {}).get("tight")
+        if alone:
+            row["ar_over_rows_alone"] = row["ar_ms"] / (B * alone)
+        rows.append(row)
+        ctx["report"].save()
+        free(cache)
+
+
 def end_to_end(out: dict, ctx: dict, plan: Plan) -> None:
     """AR and DDTree(64) through jaxspec.generate; each run twice, the second one (compiled) reported."""
     m = ctx["model"]
@@ -381,6 +408,7 @@ def target(out: dict, report: Report, base: dict, args, plan: Plan, clock: Clock
         report.section(out, "verify", verify, ctx, plan, clock, (plan.budget,), need_s=1.2 * prog, clock=clock)
         report.section(out, "generate", end_to_end, ctx, plan, need_s=4 * prog, clock=clock)
         report.section(out, "verify_more", verify, ctx, plan, clock, plan.more_budgets, need_s=1.2 * prog, clock=clock)
+        report.section(out, "batched", batched, ctx, plan, clock, need_s=2.4 * prog, clock=clock)
         errors = [k for k, v in out.items() if isinstance(v, dict) and v.get("status") == "error"]
         if errors:
             raise RuntimeError(f"steps failed: {', '.join(errors)}")
@@ -420,6 +448,10 @@ def summary(report: dict) -> None:
               f"{tight.get('of_roofline', nan):.0%}/{long.get('of_roofline', nan):.0%} | {ratios('tight')} | "
               f"{ratios('long')} | {g.get('ar_tokens_per_s', nan):.1f} | {g.get('ddtree_tokens_per_s', nan):.1f} | "
               f"{g.get('acceptance_length', nan):.2f} | {g.get('speedup', nan):.2f} |")
+        for r in t.get("batched", {}).get("rows", []):
+            if "verify_ms" in r:
+                print(f"  {name} batch {r['batch']}: AR step {r['ar_ms']:.2f} ms, verify of {r['batch']} x "
+                      f"{1 + r['budget']} nodes {r['verify_ms']:.2f} ms ({r['verify_over_ar']:.2f} AR steps)")
         if t.get("status") == "error":
             print(f"  {name}: {t.get('error')}")
 

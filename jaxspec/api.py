@@ -119,7 +119,7 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
         check_fits(drafter.config, model)
         check_placement(drafter, model)
         if budget == "auto":
-            budget, chosen = choose_budget(model, drafter, lookup)
+            budget, chosen = choose_budget(model, drafter, lookup, batch=len(rows))
     dec = Decoder(model, drafter, method=method, budget=budget, sampling=sampling, kv_impl=kv_impl, lookup=lookup)
 
     t0 = time.perf_counter()

@@ -1,14 +1,16 @@
 """`budget="auto"`: the DDTree budget with the most tokens per second on this machine.
 
-A round with budget b emits AL(b) tokens on average and costs round(b) seconds (one draft, one verify forward
-of 1 + b nodes and the bookkeeping around them), so its rate over AR is AL(b) x ar_step / round(b). The
-factors come from different places:
+A round with budget b emits AL(b) tokens per row on average and costs round(b) seconds (one draft, one verify
+forward of 1 + b nodes per row and the bookkeeping around them), so its rate over AR is AL(b) x ar_step /
+round(b), both timed at the batch size that runs. The factors come from different places:
 
   * AL(b) belongs to the drafter and its target: measured on held-out prompts and shipped beside the weights
     as `acceptance.json` (`bench/spec.py --save-acceptance` writes it);
-  * the costs belong to the machine: an AR step and a round per budget are timed here in the decode loops
-    themselves, once per (target, drafter, backend, machine; see _key), and kept in the user's cache directory
-    (`costs.json`; in this process's memory alone where that cannot be written).
+  * the costs belong to the machine and the batch: an AR step and a round per budget are timed here in the
+    decode loops themselves, once per (target, drafter, backend, machine, batch size rounded up to a power of
+    two; see _key), and kept in the user's cache directory (`costs.json`; in this process's memory alone where
+    that cannot be written). A batch's verify reads the weights once for B x (1 + b) nodes, so where a larger
+    tree is nearly free at batch 1 it is not at batch 16: the best budget falls as the batch grows.
 
 The budget is the measured table's best entry. A drafter without a table keeps the plain default
 (block_size - 1) and says so in the statistics.
@@ -83,9 +85,10 @@ def cost_prompt(model, length: int) -> list[int]:
 
 
 def measure_costs(model, drafter, acceptance: dict[int, float], lookup: bool = True, tokens: int = 8,
-                  reps: int = 4) -> dict:
+                  reps: int = 4, batch: int = 1) -> dict:
     """Seconds of one AR decode step and of one speculative round per budget of the `acceptance` table, timed
-    inside the jitted decode loops `generate` runs, after a prompt of up to COST_CONTEXT // 2 tokens (cost_prompt).
+    inside the jitted decode loops `generate` runs, for `batch` rows each after a prompt of up to
+    COST_CONTEXT // 2 tokens (cost_prompt).
 
     A round is everything `generate` pays for: the draft, the tree build (with `lookup`, the prompt lookup and
     its merge), the verify of 1 + b nodes, the acceptance walk and the commit; timing isolated forwards instead
@@ -98,6 +101,7 @@ def measure_costs(model, drafter, acceptance: dict[int, float], lookup: bool = T
     neighbouring chunks shares their spell, and interleaving gives every budget the same spells (timed one
     budget after another, a slow spell can fall on one budget alone and mislead `auto`; docs/design/budget.md)."""
     ids = cost_prompt(model, COST_CONTEXT // 2)
+    rows = [ids] * batch
     chunks = max(reps, 2)  # timed chunks per budget
     greedy, no_eos = SamplingParams(), (-1,)
     ar_dec = Decoder(model, sampling=greedy, eos=no_eos)
@@ -125,7 +129,7 @@ def measure_costs(model, drafter, acceptance: dict[int, float], lookup: bool = T
         ratios[b].append(round_t / ar_t)
         return ar_t
 
-    ar0 = ar_dec.prefill([ids], ar_len + 2)
+    ar0 = ar_dec.prefill(rows, ar_len + 2)
     timed(ar_dec, copy(ar0))  # compiles
     # Per budget an AR run beside its round run, so both decode over contexts of the same length.
     ar_s, ratios, runs, prefilled = float("inf"), {}, {}, {}
@@ -133,7 +137,7 @@ def measure_costs(model, drafter, acceptance: dict[int, float], lookup: bool = T
         dec = spec_decs[b]
         max_len = dec.spec_max_len(len(ids), spec_len + 1)
         if max_len not in prefilled:  # the prefill's state does not depend on the budget: one per buffer size
-            prefilled[max_len] = dec.prefill([ids], spec_len + 1)
+            prefilled[max_len] = dec.prefill(rows, spec_len + 1)
         spec_run, _ = timed(dec, copy(prefilled[max_len]))  # compiles
         runs[b], ratios[b] = (copy(ar0), spec_run), []
         for _ in range(2):
@@ -162,15 +166,21 @@ def _jaxspec_version() -> str:
         return "unknown"
 
 
-def _key(model, drafter, acceptance, lookup) -> str:
+def batch_bucket(batch: int) -> int:
+    """The batch size costs are timed at for a batch of `batch` rows: the power of two at or above it."""
+    return 1 << max(0, math.ceil(math.log2(batch)))
+
+
+def _key(model, drafter, acceptance, lookup, batch: int = 1) -> str:
     """Everything that changes a round's timing: the models and their dtypes, the backend, device kind and count,
-    the host's core count, XLA_FLAGS, the jax and jaxspec versions, the kernels, the table and lookup."""
+    the host's core count, XLA_FLAGS, the jax and jaxspec versions, the kernels, the table, lookup and the batch
+    size (named only past 1, so batch-1 entries keep their keys)."""
     dev = jax.devices()[0]
     params = [(str(x.shape), str(x.dtype)) for x in jax.tree.leaves(model.params)]
     kernels = (model.kernels, cpu.build_key() if model.kernels == "cpu" else None)
     parts = [model.config, drafter.config, params, dev.platform, getattr(dev, "device_kind", ""), jax.__version__,
              jax.device_count(), sorted(acceptance.items()), lookup, COST_CONTEXT, COST_FORMAT, kernels,
-             os.cpu_count(), os.environ.get("XLA_FLAGS", ""), _jaxspec_version()]
+             os.cpu_count(), os.environ.get("XLA_FLAGS", ""), _jaxspec_version()] + ([batch] if batch > 1 else [])
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 
 
@@ -255,9 +265,9 @@ def _write_table(path: Path, key: str, entry: dict) -> None:
 _measured: dict[tuple[str, str], dict] = {}
 
 
-def costs(model, drafter, acceptance: dict[int, float], lookup: bool = True) -> dict:
-    """measure_costs, remembered in the user's cache (the cost of one compile per budget, paid once per machine)
-    or, where it cannot be written, for this process.
+def costs(model, drafter, acceptance: dict[int, float], lookup: bool = True, batch: int = 1) -> dict:
+    """measure_costs at `batch` rows (a power of two: batch_bucket), remembered in the user's cache (the cost of
+    one compile per budget, paid once per machine) or, where it cannot be written, for this process.
 
     An entry records its format, its measurement count and its date, and is used as long as COST_FORMAT is its
     format: a timing is the median of COST_REPS interleaved passes (measure_costs), and timing again on every
@@ -265,7 +275,7 @@ def costs(model, drafter, acceptance: dict[int, float], lookup: bool = True) -> 
     (which re-times every entry) or the user deletes costs.json; the count and the date let a later format
     decide which entries to trust."""
     path = cache_dir() / "costs.json"
-    key = _key(model, drafter, acceptance, lookup)
+    key = _key(model, drafter, acceptance, lookup, batch)
     if (str(path), key) in _measured:
         return _measured[str(path), key]
     stored = _valid_entry(_read_table(path).get(key))
@@ -277,10 +287,10 @@ def costs(model, drafter, acceptance: dict[int, float], lookup: bool = True) -> 
         writable = os.access(path.parent, os.W_OK)
     except OSError:
         writable = False
-    _log.warning("jaxspec: timing speculative rounds at budgets %s for budget='auto' (%s)", sorted(acceptance),
-                 f"once per machine; kept in {path}" if writable
+    _log.warning("jaxspec: timing speculative rounds at budgets %s%s for budget='auto' (%s)", sorted(acceptance),
+                 f" and batch {batch}" if batch > 1 else "", f"once per machine; kept in {path}" if writable
                  else f"{path.parent} cannot be written: kept for this process only, timed again by the next")
-    c = measure_costs(model, drafter, acceptance, lookup, reps=COST_REPS)
+    c = measure_costs(model, drafter, acceptance, lookup, reps=COST_REPS, batch=batch)
     _measured[str(path), key] = c
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     entry = dict(ar_step_s=c["ar_step_s"], round_s={str(b): s for b, s in c["round_s"].items()},
@@ -299,11 +309,11 @@ def best_budget(acceptance: dict[int, float], ar_step_s: float, round_s: dict[in
     return max(speedup, key=lambda b: (speedup[b], -b)), speedup
 
 
-def choose(model, drafter, lookup: bool = True) -> tuple[int, dict]:
-    """(budget, statistics) for budget="auto"."""
+def choose(model, drafter, lookup: bool = True, batch: int = 1) -> tuple[int, dict]:
+    """(budget, statistics) for budget="auto" at a batch of `batch` rows (timed at batch_bucket(batch))."""
     table = drafter.acceptance
     if not table:
         return drafter.config.block_size - 1, {"budget_source": "default (the drafter ships no acceptance.json)"}
-    c = costs(model, drafter, table, lookup)
+    c = costs(model, drafter, table, lookup, batch_bucket(batch))
     b, speedup = best_budget(table, c["ar_step_s"], c["round_s"])
     return b, {"budget_source": "auto", "predicted_speedup": {str(k): round(v, 3) for k, v in sorted(speedup.items())}}

@@ -9,11 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
-
-import jax
 
 from jaxspec import api
 from jaxspec.checkpoint import WeightsError
@@ -21,7 +18,6 @@ from jaxspec.config import ConfigError
 from jaxspec.drafter import load_drafter
 from jaxspec.model import DTYPES, load
 from jaxspec.sampling import SamplingParams
-from jaxspec.usercache import cache_dir
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -74,8 +70,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
-                   help="float weights' dtype (default: float32, or a converted model's own)")
+    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                   help="float weights' dtype (auto: a converted model's own, else bfloat16 on a GPU or TPU and "
+                        "float32 on a CPU)")
     p.add_argument("--quantize", choices=("int8", "int4", "native"), default=None,
                    help="keep weights packed: int8 (per channel), int4 (groups of 32), "
                         "native (a GGUF's Q4_0/Q4_1/Q8_0)")
@@ -156,26 +153,6 @@ def summary(stats: dict) -> str:
         s += f", acceptance length {stats['acceptance_length']:.2f} (budget {stats['budget']})"
     s += f", prefill + compile {stats['prefill_s']:.1f} s"
     return s + (f", {stats['wall_s']:.1f} s in all" if "wall_s" in stats else "")
-
-
-def keep_compiled() -> None:
-    """Let repeat runs load XLA's compiled prefill and decode loops instead of compiling them again: JAX's
-    persistent compilation cache, in the jaxspec cache directory unless JAX_COMPILATION_CACHE_DIR names one.
-    Repeat runs of the command then skip most of "prefill + compile" (docs/benchmarks/cpu.md). Only for the
-    command: JAX decides on its first compile whether a process uses the cache, and a program importing
-    jaxspec keeps its own choice."""
-    if jax.config.jax_compilation_cache_dir is not None:
-        return
-    path = cache_dir() / "xla"
-    try:  # without a usable directory JAX would warn at every compile: compile every time instead
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return
-    if not os.access(path, os.W_OK):
-        return
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def run(args) -> None:

@@ -6,10 +6,10 @@ so `import jaxspec.generate` cannot rebind the package's `generate`. The command
 """
 import sys
 
-from jaxspec import api, cli
+from jaxspec import api, cli, usercache
 
 if __name__ == "__main__":
-    cli.keep_compiled()
+    usercache.keep_compiled()
     sys.exit(cli.main())
 else:
     sys.modules[__name__] = api.generate

@@ -26,9 +26,16 @@ from jaxspec.models.registry import Family, config_from_dict, family_of, load_co
 from jaxspec.models.registry import layout as registry_layout
 from jaxspec.segment import Segment
 from jaxspec.sharding import Layout, place
-from jaxspec.usercache import derived_from
+from jaxspec.usercache import derived_from, keep_compiled
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def auto_dtype(mesh: Mesh | None = None) -> str:
+    """dtype="auto": bfloat16 on accelerators (half the bytes per token; a 27B target in float32 does not fit one
+    80 GB card), float32 on a CPU, where bfloat16 products run several times slower."""
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    return "float32" if platform == "cpu" else "bfloat16"
 
 
 def parse_dtype(dtype) -> Any:
@@ -168,13 +175,13 @@ def random_model(config: TargetConfig, *, seed: int = 0, dtype="float32", tokeni
     return model if mesh is None else model.on_mesh(mesh)
 
 
-def load(path, dtype=None, *, mesh: Mesh | None = None, tokenizer: bool = True,
+def load(path, dtype="auto", *, mesh: Mesh | None = None, tokenizer: bool = True,
          quantize: str | None = None, kernels: str = "auto") -> Model:
     """Load a target from a HF directory (config.json + safetensors [+ index]), a .gguf file, or a directory
     converted by `python -m checkpoints_convert` (Orbax parameters).
 
-    dtype: "float32" or "bfloat16" for the float weights; None: float32, or for a converted directory the dtype
-    it was converted in.
+    dtype: "float32" or "bfloat16" for the float weights; "auto" (or None): for a converted directory the dtype
+    it was converted in, else bfloat16 on a GPU or TPU and float32 on a CPU (auto_dtype).
     mesh (jaxspec.make_mesh): each tensor goes straight into its shards as it is read.
     quantize: None keeps every weight float (`dtype`); "int8" (one scale per output channel) and "int4" (one
     scale per 32 inputs), both round-to-nearest symmetric, pack every projection, the stacked experts and the
@@ -184,11 +191,15 @@ def load(path, dtype=None, *, mesh: Mesh | None = None, tokenizer: bool = True,
     None. A converted directory is restored as it was converted (`--quantize`, recorded beside its config);
     any other `quantize` is refused. See jaxspec/models/quant.py.
     kernels: "auto" runs the fastest kernels this machine has (jaxspec.kernels: native ones on one CPU device,
-    with the weights in their layout), "xla" the pure-JAX reference forms everywhere."""
+    with the weights in their layout), "xla" the pure-JAX reference forms everywhere.
+    Compiled programs are kept in the user's cache for the next run (usercache.keep_compiled; opt out with
+    JAXSPEC_COMPILATION_CACHE=0)."""
     quant.check_quantize(quantize)
+    keep_compiled()  # before this process's first compile, which fixes whether it uses the cache
     backend = resolve(kernels, sharded=mesh is not None)
     path = Path(path)
-    dt = parse_dtype("float32" if dtype is None else dtype)
+    auto = dtype in (None, "auto")
+    dt = parse_dtype(auto_dtype(mesh) if auto else dtype)
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist; pass a HF model directory or a .gguf file")
     if path.is_file() and path.suffix == ".gguf":
@@ -200,7 +211,7 @@ def load(path, dtype=None, *, mesh: Mesh | None = None, tokenizer: bool = True,
     elif path.is_dir() and is_converted(path):  # python -m checkpoints_convert: Orbax, restored into the shards
         cfg = load_config(path)
         layout = _layout(cfg, mesh)
-        if dtype is None:  # the dtype it was converted in (float32 for directories that do not record one)
+        if auto:  # the dtype it was converted in (float32 for directories that do not record one)
             dt = parse_dtype(read_dtype(path) or "float32")
         module = _restore(cfg, path, dt, layout, quantize)
         tok = _tokenizer(path) if tokenizer else None

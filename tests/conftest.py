@@ -12,6 +12,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("JAXSPEC_COMPILATION_CACHE", "0")  # jaxspec.load would keep every test's programs on disk
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

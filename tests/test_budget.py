@@ -93,6 +93,28 @@ def test_auto_measures_once_and_stays_lossless(tmp_path, monkeypatch):
     d.save(tmp_path / "d2")  # the table travels with the weights
     assert read_acceptance(tmp_path / "d2") == {2: 1.5, 6: 1.9}
 
+    monkeypatch.undo()
+    monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    rows = [PROMPT, PROMPT[:6], PROMPT[4:]]  # 3 rows: timed at a batch of 4, and still lossless
+    batch = jaxspec.generate(m, input_ids=rows, drafter=d, budget="auto", max_new_tokens=24)
+    assert batch.stats["budget_source"] == "auto" and batch.stats["budget"] in (2, 6)
+    assert batch.token_ids == [jaxspec.generate(m, input_ids=r, method="ar", max_new_tokens=24).token_ids
+                               for r in rows]
+    assert len(json.loads((tmp_path / "cache" / "costs.json").read_text())) == 2  # batch 1's entry and batch 4's
+
+
+def test_auto_times_at_the_batch_size(fake_timing, monkeypatch):
+    """A batch's budget comes from costs timed at its size rounded up to a power of two, kept under its own key."""
+    m, d, path, calls = fake_timing
+    seen, fake = [], budget_mod.measure_costs
+    monkeypatch.setattr(budget_mod, "measure_costs", lambda *a, batch=1, **k: seen.append(batch) or fake(*a, **k))
+    d = dataclasses.replace(d, acceptance=TABLE)
+    for b in (3, 4, 1, 1, 5):
+        assert budget_mod.choose(m, d, batch=b)[0] in TABLE
+    assert seen == [4, 1, 8]
+    assert set(json.loads(path.read_text())) == {budget_mod._key(m, d, TABLE, True, b) for b in (1, 4, 8)}
+    assert budget_mod._key(m, d, TABLE, True, 1) == budget_mod._key(m, d, TABLE, True)
+
 
 def test_bad_budget():
     m = tiny_target("qwen3")

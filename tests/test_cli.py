@@ -201,6 +201,7 @@ def test_command_keeps_its_compiled_loops(model_dir, tmp_path):
 
     env = dict(os.environ, JAXSPEC_CACHE_DIR=str(tmp_path), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    env.pop("JAXSPEC_COMPILATION_CACHE", None)  # the tests' opt-out (conftest.py)
     cmd = [sys.executable, "-m", "jaxspec.generate", "--model", str(model_dir), "--prompt", PROMPT,
            "--max-new-tokens", "8"]
     first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -217,6 +218,28 @@ def test_command_keeps_its_compiled_loops(model_dir, tmp_path):
     third = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert third.returncode == 0 and third.stdout == first.stdout, third.stderr
     assert "compilation cache" not in third.stderr, third.stderr
+
+
+def test_api_keeps_its_compiled_loops(model_dir, tmp_path):
+    """`jaxspec.load` turns the persistent compilation cache on for a program too, unless it opts out."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import jaxspec; m = jaxspec.load({!r}); jaxspec.generate(m, prompt='hi', max_new_tokens=4, method='ar')"
+            .format(str(model_dir)))
+    for opt_out in (False, True):
+        env = dict(os.environ, JAXSPEC_CACHE_DIR=str(tmp_path / str(opt_out)),
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
+        env.pop("JAXSPEC_COMPILATION_CACHE", None)
+        if opt_out:
+            env["JAXSPEC_COMPILATION_CACHE"] = "0"
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        xla = tmp_path / str(opt_out) / "xla"
+        kept = sorted(p.name for p in xla.iterdir()) if xla.exists() else []
+        assert any(k.startswith("jit_ar_decode") for k in kept) != opt_out, kept
 
 
 def test_stream_holds_back_split_characters():

@@ -78,6 +78,18 @@ def test_gguf_round_trip_bfloat16(tiny_hf, tmp_path):
     restored = jaxspec.load(out, "bfloat16")
     assert restored.dtype == jax.numpy.bfloat16
     np.testing.assert_array_equal(restored.logits(IDS), direct.logits(IDS))
+    assert jaxspec.load(out).dtype == jax.numpy.bfloat16  # dtype="auto": the converted dtype, even on a CPU
+
+
+def test_auto_dtype(tiny_hf, monkeypatch):
+    """dtype="auto" is float32 on a CPU and bfloat16 on an accelerator (a 27B target in float32 fills an H100)."""
+    from jaxspec.model import auto_dtype
+
+    _, path = tiny_hf("llama")
+    assert jaxspec.load(path, tokenizer=False).dtype == jax.numpy.float32
+    assert auto_dtype(jaxspec.make_mesh(tp=2)) == "float32"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert auto_dtype() == "bfloat16"
 
 
 @pytest.fixture(scope="module")

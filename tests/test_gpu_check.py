@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
 TARGETS = ("llama-8b", "qwen3.6-27b")
-STEPS = ("build", "ar_step", "verify", "generate", "verify_more")
+STEPS = ("build", "ar_step", "verify", "generate", "verify_more", "batched")
 
 
 def positive(x) -> bool:
@@ -78,6 +78,9 @@ def test_dry_run_measures_every_section(dry_run):
         for k in ("ar_tokens_per_s", "ddtree_tokens_per_s", "acceptance_length", "rounds_per_s", "speedup"):
             assert positive(g[k]), (name, k, g)
         assert g["same_tokens_as_ar"], g  # float32 on the CPU: DDTree is exactly AR's greedy output
+        (b,) = t["batched"]["rows"]
+        assert b["batch"] == 2 and all(positive(b[k]) for k in ("ar_ms", "verify_ms", "verify_over_ar",
+                                                                   "ar_over_rows_alone"))
     assert "| llama-8b | ok |" in stdout and "| qwen3.6-27b | ok |" in stdout  # the summary
 
 
