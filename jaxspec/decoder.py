@@ -40,6 +40,12 @@ def round_up(n: int, m: int) -> int:
     return max(m, -(-n // m) * m)
 
 
+def prompt_width(n: int) -> int:
+    """The padded width of an n-token prompt: a multiple of PROMPT_BUCKET, or past one prefill chunk a multiple of
+    the chunk (engine.prefill_forward)."""
+    return round_up(n, PROMPT_BUCKET if n <= engine.PREFILL_CHUNK else engine.PREFILL_CHUNK)
+
+
 def left_pad(rows: list[list[int]], width: int) -> tuple[np.ndarray, np.ndarray]:
     """Prompts -> tokens [B, width] with every row's last token at slot width - 1, and each row's first real
     slot [B] (the engine's `start`)."""
@@ -141,7 +147,7 @@ class Decoder:
         """Cache slots for a speculative run: the last round starts at L <= length + max_new - 2 and writes
         1 + budget tree slots (target) and up to max(1 + budget, block_size) context rows (drafter) from
         there; scratch slots past the model's context are fine."""
-        P = round_up(length, PROMPT_BUCKET)
+        P = prompt_width(length)
         need = length + max_new_tokens + self.settings.nodes + self.settings.block_size
         return round_up(max(P, need), CACHE_BUCKET)
 
@@ -152,7 +158,7 @@ class Decoder:
         """Cache slots for continuous batching (`refill`, `make_room`): a row's prompt and answer never need more
         than span slots, a chunk past the newest token `chunk` more, and a refilled prompt its padded width."""
         span = max(len(r) + m for r, m in zip(prompts, limits))
-        widest = round_up(max(map(len, prompts)), PROMPT_BUCKET)
+        widest = prompt_width(max(map(len, prompts)))
         return max(round_up(span + chunk, 32), widest)  # attention reads every slot: no more than needed
 
     def prefill(self, rows: list[list[int]], max_new_tokens: int | list[int], key: jax.Array | None = None, *,
@@ -162,10 +168,11 @@ class Decoder:
         max_new_tokens."""
         m = self.model
         key = jax.random.key(0) if key is None else key
+        check_rows(rows, max_new_tokens)
         lens = [len(r) for r in rows]
         if self.method == "ar":
             most = max_new_tokens if isinstance(max_new_tokens, int) else max(max_new_tokens)
-            P = round_up(max(lens), PROMPT_BUCKET)
+            P = prompt_width(max(lens))
             tokens, start = left_pad(rows, P)
             full = max(max_len, P) if max_len else round_up(P + most, CACHE_BUCKET)
             window = full if max_len else ar_window(m, len(rows), full)
@@ -175,7 +182,7 @@ class Decoder:
                                       layout=m.layout)
             return Run(state, lens, P, full, window)
         most = max_new_tokens if isinstance(max_new_tokens, int) else max(max_new_tokens)
-        P = round_up(max(lens), PROMPT_BUCKET)
+        P = prompt_width(max(lens))
         tokens = np.zeros((len(rows), P), np.int32)  # right-padded; the forward is told each row's length
         for b, r in enumerate(rows):
             tokens[b, : len(r)] = r
@@ -220,8 +227,18 @@ class Decoder:
         simply starts at slot 0 of the row."""
         m, n = self.model, len(prompts)
         B = run.state.last.shape[0] if self.method == "ar" else run.state.bonus.shape[0]
+        check_rows(prompts, list(limits))
+        if len(slots) != n or len(set(slots)) != n or not all(0 <= b < B for b in slots):
+            raise ValueError(f"refill needs {n} distinct rows of the batch's {B} (got rows {slots}); a batch holds "
+                             "no more prompts than it was prefilled with")
+        if self.method != "ar":
+            for p, limit in zip(prompts, limits):
+                if (self.spec_max_len(len(p), limit) > run.full_len
+                        or limit + self.settings.round_tokens > run.state.out.shape[1]):
+                    raise ValueError(f"a prompt of {len(p)} tokens with {limit} new ones needs more than the batch's "
+                                     f"{run.full_len} cache slots; prefill the batch with max_len= for the longest")
         R = 1 << math.ceil(math.log2(n))
-        P = round_up(max(map(len, prompts)), PROMPT_BUCKET)
+        P = prompt_width(max(map(len, prompts)))
         rows = jnp.asarray(slots + [B] * (R - n), jnp.int32)  # index B: padding, dropped
         padded, max_new = prompts + [prompts[0]] * (R - n), jnp.asarray(list(limits) + [1] * (R - n), jnp.int32)
         if self.method != "ar":
@@ -289,6 +306,20 @@ class Decoder:
         s, ids = run.state, self.tokens(run)
         hist, rounds, nodes = to_host(s.accepted_hist), to_host(s.rounds), to_host(s.tree_nodes)
         return [spec_stats(hist[b], int(rounds[b]), len(ids[b]), self.budget, int(nodes[b])) for b in range(len(ids))]
+
+
+def check_rows(rows: list[list[int]], max_new_tokens: int | list[int]) -> None:
+    """One clear error, naming the row, for a batch the decoder cannot run."""
+    if not rows:
+        raise ValueError("no prompts: give at least one")
+    limits = [max_new_tokens] * len(rows) if isinstance(max_new_tokens, (int, np.integer)) else list(max_new_tokens)
+    if len(limits) != len(rows):
+        raise ValueError(f"{len(limits)} max_new_tokens for {len(rows)} prompts: give one limit, or one per row")
+    for b, (r, m) in enumerate(zip(rows, limits)):
+        if len(r) == 0:
+            raise ValueError(f"empty prompt (row {b} of the batch): give at least one token")
+        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer (row {b} of the batch), got {m!r}")
 
 
 def spec_stats(hist: np.ndarray, rounds: int, emitted: int, budget: int, tree_nodes: int) -> dict:

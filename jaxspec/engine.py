@@ -67,15 +67,57 @@ def _pin(layout: Layout | None, cache: Cache) -> Cache:
     return cache if layout is None else layout.constrain(cache)
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "max_len", "out_len", "sampling", "eos", "layout"))
+# Prompt tokens per prefill forward: a longer prompt is prefilled in chunks (prefill_forward), so the attention's
+# temporaries grow with the prompt, not with its square (a 32k-token prompt's scores in one forward are ~100 GB).
+PREFILL_CHUNK = 1024
+
+
+def prefill_forward(target, tokens, positions, lengths, cache: Cache, *, chunk: int = PREFILL_CHUNK,
+                    tap_layers=(), drafter=None, draft_cache=None):
+    """Prompts tokens [B, P] at positions [B, P] through `cache`, row b's first lengths[b] tokens real (the rest
+    right padding): -> (logits at each row's last real token [B, V], the cache advanced by lengths, the drafter
+    context with their taps appended when a drafter is given).
+
+    A prompt longer than `chunk` (P a multiple of it) goes through in chunks, one forward each inside a loop:
+    each chunk attends to the cache its predecessors wrote and causally to itself. A row with fewer real tokens
+    than a chunk folds only those (a GDN state) and writes the rest as scratch past its length, which the next
+    chunk overwrites; every write stays below the chunk's end, so inside the buffer."""
+    B, P = tokens.shape
+    lengths = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), (B,))
+
+    def one(tok, pos, n, at, cache, draft_cache):
+        logits, taps, cache = target(tok, Segment.causal(pos, lengths=n), cache, tap_layers=tap_layers,
+                                     logits_idx=jnp.clip(lengths - 1 - at, 0, tok.shape[1] - 1)[:, None])
+        if drafter is not None:
+            draft_cache = drafter.append_context(draft_cache, taps, n)
+        return logits[:, 0], cache.advance(n), draft_cache
+
+    if P <= chunk:
+        return one(tokens, positions, lengths, 0, cache, draft_cache)
+    assert P % chunk == 0, (P, chunk)
+
+    def body(i, carry):
+        last, cache, draft_cache = carry
+        at = i * chunk
+        tok, pos = (jax.lax.dynamic_slice_in_dim(x, at, chunk, axis=1) for x in (tokens, positions))
+        logits, cache, draft_cache = one(tok, pos, jnp.clip(lengths - at, 0, chunk), at, cache, draft_cache)
+        here = (lengths - 1 >= at) & (lengths - 1 < at + chunk)  # the row's last real token is in this chunk
+        return jnp.where(here[:, None], logits, last), cache, draft_cache
+
+    last = jnp.zeros((B, target.config.vocab_size), jnp.float32)
+    return jax.lax.fori_loop(0, P // chunk, body, (last, cache, draft_cache))
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "max_len", "out_len", "sampling", "eos", "layout",
+                                             "chunk"))
 @_on_kernels
 def ar_prefill(target_def, target_params, tokens, start, key, max_new, *, max_len, out_len,
-               sampling: SamplingParams, eos, layout: Layout | None = None) -> ARState:
+               sampling: SamplingParams, eos, layout: Layout | None = None, chunk: int = PREFILL_CHUNK) -> ARState:
     """Left-padded prompts tokens [B, P] (row b's first real slot is start[b]) -> state with the first token."""
     target = nnx.merge(target_def.graphdef, target_params)
     B, P = tokens.shape
     cache, tok, key = _prefill(target, tokens, start, _pin(layout, target.init_cache(B, max_len).with_start(start)),
-                               key, sampling)
+                               key, sampling, chunk)
     return ARState(
         cache=_pin(layout, cache), last=tok, out=jnp.zeros((B, out_len), jnp.int32).at[:, 0].set(tok),
         emitted=jnp.ones((B,), jnp.int32), steps=jnp.int32(1),
@@ -83,14 +125,14 @@ def ar_prefill(target_def, target_params, tokens, start, key, max_new, *, max_le
     )
 
 
-def _prefill(target, tokens, start, cache: Cache, key, sampling: SamplingParams):
+def _prefill(target, tokens, start, cache: Cache, key, sampling: SamplingParams, chunk: int = PREFILL_CHUNK):
     """Left-padded prompts tokens [B, P] through `cache` (its start = start) -> (cache advanced by P, each row's
     first token [B], the next key). The pads' positions are clamped to 0: no real token ever attends to them."""
     B, P = tokens.shape
     positions = jnp.maximum(jnp.arange(P)[None, :] - start[:, None], 0)
-    logits, _, cache = target(tokens, Segment.causal(positions), cache, logits_idx=jnp.full((B, 1), P - 1))
+    logits, cache, _ = prefill_forward(target, tokens, positions, P, cache, chunk=chunk)
     key, sub = jax.random.split(key)
-    return cache.advance(P), sample(logits[:, 0], sub, sampling), key
+    return cache, sample(logits, sub, sampling), key
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "sampling", "eos", "layout"), donate_argnames=("state",))
@@ -225,14 +267,14 @@ def _split_rows(keys):
     return pair[:, 0], pair[:, 1]
 
 
-@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "max_len", "out_len", "settings"))
+@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "max_len", "out_len", "settings", "chunk"))
 @_on_kernels
 def spec_prefill(target_def, target_params, drafter_def, drafter_params, tokens, length, key, max_new, *,
-                 max_len, out_len, settings: SpecSettings) -> SpecState:
+                 max_len, out_len, settings: SpecSettings, chunk: int = PREFILL_CHUNK) -> SpecState:
     """Right-padded prompts tokens [B, P] (row b's real length length[b]) -> round state with each row's first
     bonus. key: one key (split per row) or [B] keys; max_new: [] or [B]."""
     target, drafter = nnx.merge(target_def.graphdef, target_params), nnx.merge(drafter_def.graphdef, drafter_params)
-    return _spec_start(target, drafter, tokens, length, key, max_new, max_len, out_len, settings)
+    return _spec_start(target, drafter, tokens, length, key, max_new, max_len, out_len, settings, chunk)
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "settings"), donate_argnames=("state",))
@@ -252,23 +294,23 @@ def spec_refill(target_def, target_params, drafter_def, drafter_params, state: S
 
 
 def _spec_start(target, drafter, tokens, length, key, max_new, max_len: int, out_len: int,
-                settings: SpecSettings) -> SpecState:
+                settings: SpecSettings, chunk: int = PREFILL_CHUNK) -> SpecState:
     B, P = tokens.shape
     length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), (B,))
     keys = key if key.shape == (B,) else jax.random.split(key, B)
-    segment = Segment.causal(jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P)), lengths=length)
+    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
     cache = _pin(settings.layout, target.init_cache(B, max_len))
-    logits, taps, cache = target(tokens, segment, cache, tap_layers=settings.tap_layers,
-                                 logits_idx=(length - 1)[:, None])
     draft_cache = _pin(settings.draft_layout, drafter.init_cache(B, max_len))
-    draft_cache = _pin(settings.draft_layout, drafter.append_context(draft_cache, taps, length))
+    logits, cache, draft_cache = prefill_forward(target, tokens, positions, length, cache, chunk=chunk,
+                                                 tap_layers=settings.tap_layers, drafter=drafter,
+                                                 draft_cache=draft_cache)
     keys, sub = _split_rows(keys)
-    bonus = _sample_rows(logits[:, 0], sub, settings.sampling)
+    bonus = _sample_rows(logits, sub, settings.sampling)
     rows = jnp.arange(B)
     history = jnp.zeros((B, max_len), jnp.int32).at[:, :P].set(tokens).at[rows, length].set(bonus)
     max_new = jnp.broadcast_to(jnp.asarray(max_new, jnp.int32), (B,))
     return SpecState(
-        cache=_pin(settings.layout, cache.advance(length)), draft_cache=draft_cache, bonus=bonus,
+        cache=_pin(settings.layout, cache), draft_cache=_pin(settings.draft_layout, draft_cache), bonus=bonus,
         out=jnp.zeros((B, out_len), jnp.int32).at[:, 0].set(bonus), emitted=jnp.ones((B,), jnp.int32),
         done=jnp.isin(bonus, jnp.asarray(settings.eos, jnp.int32)) | (max_new <= 1), key=keys, max_new=max_new,
         rounds=jnp.zeros((B,), jnp.int32), accepted_hist=jnp.zeros((B, settings.round_tokens), jnp.int32),

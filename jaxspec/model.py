@@ -129,12 +129,14 @@ class Model:
         """The same model with its parameters sharded over `mesh` (jaxspec.make_mesh) by its family's rules."""
         layout = registry_layout(self.config, mesh)
         params = layout.place_params(self.plain_params())  # the rules split plain [in, out] kernels
-        return replace(self, params=params, layout=layout, kernels=resolve(sharded=True))
+        kernels = resolve(sharded=True) if self.kernels == "cpu" else self.kernels  # no custom calls on a mesh
+        return replace(self, params=params, layout=layout, kernels=kernels)
 
     @staticmethod
     def from_module(module: nnx.Module, tokenizer=None, source: str = "", layout: Layout | None = None,
                     kernels: str = "auto") -> "Model":
-        """The handle for `module` as it is; its programs run on `kernels` ("auto" or "xla", `kernels.resolve`)."""
+        """The handle for `module` as it is; its programs run on `kernels` ("auto", "xla" or "gpu",
+        `kernels.resolve`)."""
         graphdef, params = nnx.split(module)
         return Model(module.config, graphdef, params, tokenizer, source, layout,
                      resolve(kernels, sharded=layout is not None))
@@ -168,10 +170,10 @@ def _causal_logits(jit_def: StaticDef, params, ids):
 
 
 def random_model(config: TargetConfig, *, seed: int = 0, dtype="float32", tokenizer=None,
-                 mesh: Mesh | None = None) -> Model:
+                 mesh: Mesh | None = None, kernels: str = "auto") -> Model:
     """A randomly initialised target of any registered family (tests, benchmarks on bigger shapes)."""
     module = family_of(config.model_type).module(config, dtype=parse_dtype(dtype), rngs=nnx.Rngs(seed))
-    model = Model.from_module(module, tokenizer, source="random")
+    model = Model.from_module(module, tokenizer, source="random", kernels=kernels)
     return model if mesh is None else model.on_mesh(mesh)
 
 
@@ -191,7 +193,8 @@ def load(path, dtype="auto", *, mesh: Mesh | None = None, tokenizer: bool = True
     None. A converted directory is restored as it was converted (`--quantize`, recorded beside its config);
     any other `quantize` is refused. See jaxspec/models/quant.py.
     kernels: "auto" runs the fastest kernels this machine has (jaxspec.kernels: native ones on one CPU device,
-    with the weights in their layout), "xla" the pure-JAX reference forms everywhere.
+    with the weights in their layout; the GPU path on a GPU), "xla" the pure-JAX reference forms everywhere,
+    "gpu" the GPU path's forms (attention that reads only the cache in use) on any platform.
     Compiled programs are kept in the user's cache for the next run (usercache.keep_compiled; opt out with
     JAXSPEC_COMPILATION_CACHE=0)."""
     quant.check_quantize(quantize)

@@ -138,6 +138,22 @@ def test_batch_errors_name_the_row():
         jaxspec.generate(m, input_ids=[PROMPTS[0], [1, 500]], drafter=d)
 
 
+def test_decoder_refuses_what_it_cannot_run():
+    m = tiny_target("llama")
+    dec = Decoder(m, jaxspec.init_drafter(m, num_layers=1, block_size=8, seed=4), method="ddtree", budget=4)
+    with pytest.raises(ValueError, match="2 max_new_tokens for 3 prompts"):
+        dec.prefill(PROMPTS, [8, 8])
+    with pytest.raises(ValueError, match=r"max_new_tokens must be a positive integer \(row 1 of the batch\)"):
+        dec.prefill(PROMPTS, [8, 0, 8])
+    run = dec.prefill(PROMPTS[:2], 8)
+    with pytest.raises(ValueError, match="distinct rows of the batch's 2"):
+        dec.refill(run, [2], [PROMPTS[0]], [8])
+    with pytest.raises(ValueError, match="cache slots"):
+        dec.refill(run, [0], [PROMPTS[0] * 20], [8])
+    with pytest.raises(ValueError, match=r"empty prompt \(row 0 of the batch\)"):
+        dec.refill(run, [0], [[]], [8])
+
+
 def test_rows_sample_independently():
     """Two copies of one prompt in a batch draw different continuations (one rng stream per row)."""
     m = tiny_target("qwen3")

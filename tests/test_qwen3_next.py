@@ -178,7 +178,7 @@ def test_block_form_equals_per_node_states(wide):
     x = jnp.asarray(rng.standard_normal((2, n, C)), jnp.float32)
     pend = gdn.GDNPending(conv=None, state=None, x=x, k=k[:, :, ::2], u=u, gamma=gamma)  # k stored per key head
     entry = gdn.GDNEntry(jnp.asarray(rng.standard_normal((2, K1, C)), jnp.float32), S0, pend)
-    done = entry.commit(jnp.asarray(padded), jnp.int32(len(path)), None, "xla")
+    done = entry.commit(jnp.asarray(np.stack([padded, padded])), jnp.full((2,), len(path), jnp.int32), None, "xla")
     np.testing.assert_allclose(done.state[0], states[0, last], rtol=0, atol=2e-5)
     ext = np.concatenate([np.asarray(entry.conv[0]), np.asarray(x[0, path])])
     np.testing.assert_allclose(done.conv[0], ext[-K1:], rtol=0, atol=0)

@@ -13,19 +13,22 @@ Model code never asks which machine it is on. It calls
 each defined by its pure-JAX reference in `xla.py`. A backend implements some of them and leaves the rest
 to the reference:
 
-    "xla"  the references themselves: any platform, a sharded model, a lowering for another platform.
+    "xla"  the references themselves: any platform, a sharded model on a CPU, a lowering for another platform.
     "cpu"  native kernels for XLA:CPU through the FFI (`cpu.py`, `cpu_matmul.cc`); a product that it cannot
            take (too many rows, another dtype) runs the reference.
+    "gpu"  attention that reads only the cache slots in use (`gpu.py`: blocked loops with an online softmax);
+           the rest as the references. Pure JAX, so it runs (and is tested) on a CPU too.
 
 The choice is made once per handle (`resolve`, at `jaxspec.load`: "auto" picks "cpu" on one CPU device where
-the kernels build, "xla" anywhere else or when asked) and the engine traces each program under it (`use`).
+the kernels build, "gpu" on a GPU, "xla" anywhere else or when asked) and the engine traces each program under
+it (`use`).
 Code traced outside any `use` gets the process's automatic choice (`default`). A backend may also keep
 weights in a layout of its own (`prepare`: the CPU backend's column tiles); the parameter tree keeps its
 paths and axes, and `plain` gives back the plain arrays that sharding, quantising, saving and training use.
 
 Lowering for another platform from this host (`jax.export(..., platforms=("cuda",))`) stays correct under
-any choice: the CPU backend's custom calls sit behind `lax.platform_dependent`, with the reference as the
-other branch.
+any choice: the CPU backend's custom calls sit behind `lax.platform_dependent`, whose other branch is the GPU
+path's form of the op, so a GPU program exported from a CPU host is the one the GPU backend runs.
 """
 from __future__ import annotations
 
@@ -36,27 +39,34 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxspec.kernels import cpu, xla
+from jaxspec.kernels import cpu, gpu, xla
 
-KERNELS = ("auto", "xla")  # what a user may ask for
-BACKENDS = ("xla", "cpu")
+KERNELS = ("auto", "xla", "gpu")  # what a user may ask for
+BACKENDS = ("xla", "cpu", "gpu")
 
 _backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("jaxspec_kernels", default=None)
 
 
 @functools.cache
 def default() -> str:
-    """The automatic choice for this process: "cpu" where the platform is a CPU and the kernels build here."""
-    return "cpu" if jax.default_backend() == "cpu" and cpu.level() > 0 else "xla"
+    """The automatic choice for this process: "cpu" where the platform is a CPU and the kernels build here, "gpu"
+    on a GPU."""
+    platform = jax.default_backend()
+    if platform == "gpu":
+        return "gpu"
+    return "cpu" if platform == "cpu" and cpu.level() > 0 else "xla"
 
 
 def resolve(kernels: str = "auto", *, sharded: bool = False) -> str:
-    """The backend for a handle: `kernels` ("auto" or "xla") on this machine, "xla" for a sharded model (a
-    custom call cannot be split by the partitioner)."""
+    """The backend for a handle: `kernels` ("auto", "xla" or "gpu") on this machine; a sharded model never gets
+    the CPU backend (a custom call cannot be split by the partitioner)."""
     if kernels not in KERNELS:
-        raise ValueError(f"unsupported kernels={kernels!r}; use 'auto' (the fastest this machine has) or 'xla' "
-                         "(the pure-JAX reference forms)")
-    return "xla" if kernels == "xla" or sharded else default()
+        raise ValueError(f"unsupported kernels={kernels!r}; use 'auto' (the fastest this machine has), 'xla' "
+                         "(the pure-JAX reference forms) or 'gpu' (the GPU path's forms, on any platform)")
+    if kernels != "auto":
+        return kernels
+    choice = default()
+    return "xla" if sharded and choice == "cpu" else choice
 
 
 @contextlib.contextmanager
@@ -120,23 +130,40 @@ def packed_matmul(x: jax.Array, codes, scale, offset=None) -> jax.Array:
     return y.reshape(*x.shape[:-1], codes.shape[0])
 
 
+def _attention_op(ref, fast, on_cpu, *args):
+    """An attention op on the current backend: the reference ("xla"), the GPU path ("gpu"), or on "cpu" what
+    runs on a CPU (`on_cpu`) with the GPU path for any other platform a program is lowered for."""
+    backend = current()
+    if backend == "xla":
+        return ref(*args)
+    if backend == "gpu":
+        return fast(*args)
+    return jax.lax.platform_dependent(*args, cpu=on_cpu, default=fast)
+
+
 def attention(q, k, v, mask, scale: float, softcap: float | None = None):
     """q [B, N, H, D] over k, v [B, KVH, T, D] where mask [B, N, T] -> [B, N, H, D] (see xla.attention)."""
-    return xla.attention(q, k, v, mask, scale, softcap)
+    ref = functools.partial(xla.attention, scale=scale, softcap=softcap)
+    return _attention_op(ref, functools.partial(gpu.attention, scale=scale, softcap=softcap), ref, q, k, v, mask)
 
 
 def latent_attention(q, latent, mask, scale: float, value_dim: int):
     """q [B, N, H, C] over a latent cache [B, T, C] -> [B, H, N, value_dim] (see xla.latent_attention)."""
-    return xla.latent_attention(q, latent, mask, scale, value_dim)
+    ref = functools.partial(xla.latent_attention, scale=scale, value_dim=value_dim)
+    return _attention_op(ref, functools.partial(gpu.latent_attention, scale=scale, value_dim=value_dim), ref,
+                         q, latent, mask)
 
 
 def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, softcap: float | None = None):
     """q [B, N, H, D] over a KV cache's committed slots and this forward's keys -> [B, N, H, D] (see
     xla.cache_attention)."""
     ref = functools.partial(xla.cache_attention, scale=scale, softcap=softcap)
-    if current() != "cpu":
-        return ref(q, k_old, v_old, k_new, v_new, length, mask)
-    return cpu.cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale, softcap, ref)
+    fast = functools.partial(gpu.cache_attention, scale=scale, softcap=softcap)
+
+    def on_cpu(*args):
+        return cpu.cache_attention(*args, scale, softcap, ref)
+
+    return _attention_op(ref, fast, on_cpu, q, k_old, v_old, k_new, v_new, length, mask)
 
 
 def argmax(logits: jax.Array) -> jax.Array:

@@ -1,0 +1,142 @@
+"""The GPU path of the seam's attention ops: attention that reads only the slots in use.
+
+A serving cache is sized for the longest answer (32k slots is common) while most steps use a few hundred: the
+reference forms (`xla.py`) compute scores and a softmax over the whole buffer, so at 500 of 32k slots an AR step
+reads the KV buffer 64 times over and materialises [.., 32768] float32 scores per layer. Here the buffer is read
+in blocks of at most BLOCK slots by a loop whose trip count is the used extent (`lax.fori_loop` with a traced
+bound: an XLA while loop), merging the blocks with an online softmax (running maximum, sum and weighted values in
+float32, as flash-decoding does); this forward's own keys (the 1 + budget tree nodes, or a prefill chunk) are one
+more block under their own mask. Every product is a plain batched matmul that XLA sends to cuBLAS, and no
+tensor spans the buffer but the boolean mask.
+
+Same arguments and results as the references; tested against them on CPU (tests/test_kernels_gpu.py) and selected
+by the "gpu" backend (`jaxspec.kernels`), which `jaxspec.load` picks on a GPU. A row that sees no slot at all
+(only padding rows) averages the values it visited instead of the reference's whole buffer: both are garbage
+nobody reads.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxspec.kernels.xla import NEG_INF
+
+BLOCK = 512  # slots per block: [G * N, 512] scores per KV head and row stay in the GPU's caches
+
+
+def block_size(T: int) -> int:
+    """The largest power of two <= BLOCK that divides the buffer's T slots (T itself if none from 16 does): a block
+    never straddles the buffer's end, where dynamic_slice would clamp it and count slots twice."""
+    return next((b for b in (512, 256, 128, 64, 32, 16) if b <= BLOCK and T % b == 0), T)
+
+
+def _group(q, KVH):
+    """q [B, N, H, D] -> [B, KVH, G * N, D] (row g * N + n: query head kvh * G + g, token n)."""
+    B, N, H, D = q.shape
+    return q.reshape(B, N, KVH, H // KVH, D).transpose(0, 2, 3, 1, 4).reshape(B, KVH, H // KVH * N, D)
+
+
+def _ungroup(o, N, H):
+    B, KVH, _, D = o.shape
+    return o.reshape(B, KVH, H // KVH, N, D).transpose(0, 3, 1, 2, 4).reshape(B, N, H, D)
+
+
+def _update(carry, s, v):
+    """One block into the online softmax. carry: (max [B, K, R], sum [B, K, R], acc [B, K, R, Dv]) float32;
+    s [B, K, R, S] float32 scores (masked ones NEG_INF); v [B, K, S, Dv]."""
+    mx, tot, acc = carry
+    new = jnp.maximum(mx, s.max(-1))
+    p = jnp.exp(s - new[..., None])
+    fix = jnp.exp(mx - new)
+    acc = acc * fix[..., None] + jnp.einsum("bkrs,bksd->bkrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return new, tot * fix + p.sum(-1), acc
+
+
+def _start(B, K, R, Dv):
+    return (jnp.full((B, K, R), NEG_INF, jnp.float32), jnp.zeros((B, K, R), jnp.float32),
+            jnp.zeros((B, K, R, Dv), jnp.float32))
+
+
+def _scores(qg, k, mask, G, scale, softcap):
+    """qg [B, K, G * N, D] . k [B, K, S, D] -> [B, K, G * N, S] float32, where mask [B, N, S] (else NEG_INF)."""
+    s = jnp.einsum("bkrd,bksd->bkrs", qg, k, preferred_element_type=jnp.float32) * scale
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
+    B, N, S = mask.shape
+    m = jnp.broadcast_to(mask[:, None, None], (B, 1, G, N, S)).reshape(B, 1, G * N, S)
+    return jnp.where(m, s, NEG_INF)
+
+
+def _blocks(carry, n_blocks, bs, qg, k, v, mask, G, scale, softcap, valid=None):
+    """Fold blocks 0 .. n_blocks - 1 (traced) of k, v [B, K, T, D] (mask [B, N, T]; valid(slots) [B, 1, S] further
+    limits which slots count) into the online softmax."""
+    def body(i, carry):
+        at = i * bs
+        kb = lax.dynamic_slice_in_dim(k, at, bs, axis=2)
+        vb = lax.dynamic_slice_in_dim(v, at, bs, axis=2)
+        mb = lax.dynamic_slice_in_dim(mask, at, bs, axis=2)
+        if valid is not None:
+            mb = mb & valid(at + jnp.arange(bs))
+        return _update(carry, _scores(qg, kb, mb, G, scale, softcap), vb)
+
+    return lax.fori_loop(0, n_blocks, body, carry)
+
+
+def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, softcap: float | None = None):
+    """xla.cache_attention reading only row b's committed slots < length[b] (blocks up to the batch's longest) and
+    this forward's keys: q [B, N, H, D]; k_old, v_old [B, KVH, T, D]; k_new, v_new [B, N, KVH, D]; mask [B, N, T]
+    over the written cache (new key i at column clip(length[b], 0, T - N) + i) -> [B, N, H, D]."""
+    B, N, H, D = q.shape
+    KVH, T = k_old.shape[1], k_old.shape[2]
+    G = H // KVH
+    length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), (B,))
+    qg = _group(q, KVH)
+    bs = block_size(T)
+    used = jnp.clip(length, 0, T)
+    carry = _blocks(_start(B, KVH, G * N, D), (used.max() + bs - 1) // bs, bs, qg, k_old, v_old, mask, G, scale,
+                    softcap, valid=lambda slots: (slots[None, :] < used[:, None])[:, None, :])
+    s0 = jnp.clip(length, 0, T - N)
+    own = jnp.take_along_axis(mask, jnp.broadcast_to((s0[:, None] + jnp.arange(N))[:, None, :], (B, N, N)), axis=2)
+    kn, vn = k_new.transpose(0, 2, 1, 3).astype(k_old.dtype), v_new.transpose(0, 2, 1, 3).astype(v_old.dtype)
+    _, tot, acc = _update(carry, _scores(qg, kn, own, G, scale, softcap), vn)
+    return _ungroup(acc / tot[..., None], N, H).astype(q.dtype)
+
+
+def extent(mask) -> jax.Array:
+    """The slots any query sees: one past the last column of mask [B, N, T] that any row has set (0 if none)."""
+    seen = mask.any(axis=(0, 1))  # [T]
+    T = seen.shape[0]
+    return jnp.where(seen.any(), T - jnp.argmax(seen[::-1]), 0).astype(jnp.int32)
+
+
+def attention(q, k, v, mask, scale: float, softcap: float | None = None):
+    """xla.attention over the slots up to the mask's extent only: q [B, N, H, D]; k, v [B, KVH, T, D] (written
+    already: a KV-shared layer reads its source layer's buffer); mask [B, N, T] -> [B, N, H, D]."""
+    B, N, H, D = q.shape
+    KVH, T = k.shape[1], k.shape[2]
+    bs = block_size(T)
+    _, tot, acc = _blocks(_start(B, KVH, H // KVH * N, D), (extent(mask) + bs - 1) // bs, bs, _group(q, KVH), k, v,
+                          mask, H // KVH, scale, softcap)
+    return _ungroup(acc / tot[..., None], N, H).astype(q.dtype)
+
+
+def latent_attention(q, latent, mask, scale: float, value_dim: int):
+    """xla.latent_attention over the slots up to the mask's extent only: q [B, N, H, C]; latent [B, T, C] (one key
+    [c_kv | k_pe] and one value c_kv = latent[..., :value_dim] shared by every head); mask [B, N, T] ->
+    [B, H, N, value_dim] in q's dtype."""
+    B, N, H, C = q.shape
+    T = latent.shape[1]
+    bs = block_size(T)
+    qh = q.transpose(0, 2, 1, 3).reshape(B, 1, H * N, C)  # every head is one query group of the one shared key
+    kv = latent[:, None]  # [B, 1, T, C]
+    mx, tot, acc = _start(B, 1, H * N, value_dim)
+
+    def body(i, carry):
+        at = i * bs
+        kb = lax.dynamic_slice_in_dim(kv, at, bs, axis=2)
+        mb = lax.dynamic_slice_in_dim(mask, at, bs, axis=2)
+        return _update(carry, _scores(qh, kb, mb, H, scale, None), kb[..., :value_dim])
+
+    _, tot, acc = lax.fori_loop(0, (extent(mask) + bs - 1) // bs, body, (mx, tot, acc))
+    return (acc / tot[..., None]).reshape(B, H, N, value_dim).astype(q.dtype)

@@ -1,0 +1,152 @@
+"""The GPU path's attention (jaxspec/kernels/gpu.py): blocked loops over the used slots against the references,
+the engine exact with it selected, and a `cuda` lowering of a Qwen3.6-shaped target whose attention holds no
+float32 tensor as long as its 32k-slot buffer."""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxspec
+from jaxspec import kernels
+from jaxspec.kernels import gpu, xla
+from jaxspec.models.attention import cache_mask, sliding
+from jaxspec.models.qwen3_next import HybridLM, hybrid_config_from_dict
+from jaxspec.segment import Segment
+from jaxspec.testing import oracle_drafter
+from jaxspec.tree import ancestor_mask, build_tree
+
+RNG = np.random.default_rng(0)
+
+
+def case(B, N, T, lengths, starts, tree=False, window=None):
+    """A realistic mask from cache_mask: rows of different committed lengths and left padding, N new tokens that
+    see each other causally or along a random tree, optionally a sliding window; positions follow each row."""
+    length, start = jnp.asarray(lengths, jnp.int32), jnp.asarray(starts, jnp.int32)
+    if tree:
+        parents = np.r_[0, [RNG.integers(0, i) for i in range(1, N)]]
+        depth = np.zeros(N, int)
+        for i in range(1, N):
+            depth[i] = depth[parents[i]] + 1
+        t = build_tree(jnp.zeros((1, 4)), 1)  # only for its dataclass
+        t = dataclasses.replace(t, parents=jnp.asarray(parents, jnp.int32), depths=jnp.asarray(depth, jnp.int32))
+        visible = jnp.broadcast_to(ancestor_mask(t), (B, N, N))
+        offsets = jnp.asarray(depth, jnp.int32)
+    else:
+        visible = jnp.broadcast_to(jnp.tril(jnp.ones((N, N), bool)), (B, N, N))
+        offsets = jnp.arange(N, dtype=jnp.int32)
+    positions = (length - start)[:, None] + offsets[None]
+    mask, key_pos = cache_mask(positions, length, start, visible, T)
+    if window:
+        mask = sliding(mask, positions, key_pos, window)
+    return length, mask
+
+
+@pytest.mark.parametrize("T,N,lengths,starts,tree,window,softcap", [
+    (96, 1, [40, 7], [0, 3], False, None, None),  # AR steps, blocks of 32
+    (1024, 9, [700, 5], [0, 0], True, None, None),  # a tree verify, rows far apart, blocks of 512
+    (1024, 9, [513, 512], [10, 0], True, 8, 30.0),  # a sliding window and soft-capping; a block edge
+    (80, 16, [0, 0], [0, 0], False, None, None),  # a prefill chunk into an empty cache (blocks of 16)
+    (100, 3, [97, 50], [0, 20], False, None, None),  # T with no power-of-two divisor >= 16: one block of T
+])
+def test_cache_attention_matches_reference(T, N, lengths, starts, tree, window, softcap):
+    B, H, KVH, D = 2, 8, 2, 16
+    length, mask = case(B, N, T, lengths, starts, tree, window)
+    ks = jax.random.split(jax.random.key(T + N), 5)
+    q = jax.random.normal(ks[0], (B, N, H, D))
+    k_old, v_old = (jax.random.normal(k, (B, KVH, T, D)) for k in ks[1:3])
+    k_new, v_new = (jax.random.normal(k, (B, N, KVH, D)) for k in ks[3:5])
+    want = xla.cache_attention(q, k_old, v_old, k_new, v_new, length, mask, 0.3, softcap)
+    got = jax.jit(gpu.cache_attention, static_argnums=(7, 8))(q, k_old, v_old, k_new, v_new, length, mask, 0.3, softcap)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+
+
+def test_attention_and_latent_attention_match_reference():
+    B, N, T, H, KVH, D = 2, 5, 512, 4, 2, 32
+    length, mask = case(B, N, T, [300, 44], [0, 4], tree=True)
+    ks = jax.random.split(jax.random.key(1), 4)
+    q, k, v = jax.random.normal(ks[0], (B, N, H, D)), *(jax.random.normal(x, (B, KVH, T, D)) for x in ks[1:3])
+    np.testing.assert_allclose(np.asarray(gpu.attention(q, k, v, mask, 0.2, 20.0)),
+                               np.asarray(xla.attention(q, k, v, mask, 0.2, 20.0)), atol=2e-5, rtol=0)
+    latent = jax.random.normal(ks[3], (B, T, 24))
+    ql = jax.random.normal(ks[0], (B, N, H, 24))
+    np.testing.assert_allclose(np.asarray(gpu.latent_attention(ql, latent, mask, 0.2, 16)),
+                               np.asarray(xla.latent_attention(ql, latent, mask, 0.2, 16)), atol=2e-5, rtol=0)
+    assert int(gpu.extent(mask)) == 300 + N
+    assert int(gpu.extent(jnp.zeros((1, 1, 64), bool))) == 0
+
+
+def with_gpu_path(model):
+    return dataclasses.replace(model, params=model.plain_params(), kernels="gpu")
+
+
+FAMILIES = {
+    "llama": lambda: __import__("test_engine").tiny_target("llama"),
+    "gemma3": lambda: __import__("test_engine").tiny_target("gemma3"),  # sliding window
+    "qwen3_5": lambda: __import__("test_engine_gdn").hybrid_target(),
+    "deepseek_v3": lambda: __import__("test_batched_spec").deepseek_target(),  # MLA latents
+    "gemma4": lambda: __import__("test_batched_spec").gemma4_target(),  # KV-shared layers: kernels.attention
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_engine_exact_on_the_gpu_path(family):
+    """Greedy DDTree on a batch of two prompts with the GPU path selected equals AR on the default backend."""
+    ref = FAMILIES[family]()
+    m = with_gpu_path(ref)
+    prompts = [list(range(3, 16)), list(range(40, 47))]
+    want = [jaxspec.generate(ref, input_ids=p, method="ar", max_new_tokens=24).token_ids for p in prompts]
+    assert jaxspec.generate(m, input_ids=prompts, method="ar", max_new_tokens=24).token_ids == want
+    d = oracle_drafter(m, [p + w for p, w in zip(prompts, want)], noise=0.3)
+    res = jaxspec.generate(m, input_ids=prompts, drafter=d, method="ddtree", budget=12, max_new_tokens=24)
+    assert res.token_ids == want and res.stats.acceptance_length > 2.0
+    if family == "llama":  # a DFlash drafter's own attention over its context on the GPU path too
+        d = jaxspec.init_drafter(m, num_layers=1, block_size=8, seed=2)
+        assert d.kernels == "gpu"
+        assert jaxspec.generate(m, input_ids=prompts, drafter=d, method="dflash", max_new_tokens=24).token_ids == want
+
+
+QWEN36 = dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408,
+              num_hidden_layers=4, num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+              linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128, full_attention_interval=4,
+              max_position_embeddings=262144,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
+SLOTS = 32768
+
+
+def cuda_forward_text(backend: str, N: int) -> str:
+    """StableHLO of one forward of N tokens (1: an AR step, 65: a budget-64 verify, 1024: a prefill chunk) over a
+    32k-slot cache holding 500 tokens, for a Qwen3.6-27B-shaped target (4 of its 64 layers, bf16), lowered for
+    cuda on this host with the weights abstract."""
+    cfg = hybrid_config_from_dict(QWEN36)
+    module = nnx.eval_shape(lambda: HybridLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(module)
+
+    def forward(params, tokens, positions, cache):
+        with kernels.use(backend):
+            seg = Segment.causal(positions)
+            return nnx.merge(graphdef, params)(tokens, seg, cache)[0]
+
+    cache = jax.eval_shape(lambda: module.init_cache(1, SLOTS))
+    cache = dataclasses.replace(cache, length=jax.ShapeDtypeStruct((1,), jnp.int32))
+    args = (params, jax.ShapeDtypeStruct((1, N), jnp.int32), jax.ShapeDtypeStruct((1, N), jnp.int32), cache)
+    return jax.export.export(jax.jit(forward), platforms=("cuda",))(*args).mlir_module()
+
+
+def f32_spanning(text: str) -> list[str]:
+    return sorted(set(re.findall(rf"tensor<[0-9x]*x{SLOTS}(?:x[0-9]+)*xf32>", text)))
+
+
+@pytest.mark.parametrize("N", [1, 65, 1024])
+def test_cuda_lowering_reads_no_float32_as_long_as_the_buffer(N):
+    """The target of [gpu-path]: on the GPU path no float32 tensor spans the buffer (scores, softmax) in an AR
+    step, a verify or a prefill chunk; the references' lowering has them (so the check can fail), and the CPU
+    backend's program for cuda is the GPU path's."""
+    assert f32_spanning(cuda_forward_text("xla", N))  # the whole-buffer reference: [.., 32768] f32 scores
+    assert not f32_spanning(cuda_forward_text("gpu", N)), f32_spanning(cuda_forward_text("gpu", N))
+    assert not f32_spanning(cuda_forward_text("cpu", N))  # platform_dependent's other branch
