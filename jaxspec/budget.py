@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.decoder import Decoder, Run
+from jaxspec.decoder import CACHE_BUCKET, Decoder, Run, prompt_width, round_up
 from jaxspec.kernels import cpu
 from jaxspec.model import encode_prompt
 from jaxspec.sampling import SamplingParams
@@ -50,8 +50,9 @@ _log = logging.getLogger(__name__)
 
 COST_CONTEXT = 256  # twice the prompt the costs are timed after (a short chat turn)
 # 1: isolated forwards; 2: decode loops after random tokens; 3: the same after COST_PROMPT; 4: entries also record
-# their format, measurement count (reps) and date, and the key names the core count, XLA_FLAGS and jaxspec's version
-COST_FORMAT = 4
+# their format, measurement count (reps) and date, and the key names the core count, XLA_FLAGS and jaxspec's version;
+# 5: the decode loops are waited for (4 and before timed their dispatch alone), a batch's AR in one buffer
+COST_FORMAT = 5
 COST_REPS = 4  # measure_costs' passes over the budgets for the stored table
 # What the rounds are timed after, where the model has a tokenizer: a user's question, so the rounds accept what
 # they do in use. After random tokens a small target repeats itself and a round accepts far more than in use, so
@@ -120,6 +121,7 @@ def measure_costs(model, drafter, acceptance: dict[int, float], lookup: bool = T
         before = forwards(dec, run)
         t = time.perf_counter()
         run = dec.decode(run, dec.count(run) + tokens)
+        jax.block_until_ready(run.state)  # the call returns once the loop is queued; the loop itself is the cost
         return run, (time.perf_counter() - t) / (forwards(dec, run) - before)
 
     def sample(b):  # one chunk of budget b's rounds right after one AR chunk: their ratio, and the AR step
@@ -129,7 +131,9 @@ def measure_costs(model, drafter, acceptance: dict[int, float], lookup: bool = T
         ratios[b].append(round_t / ar_t)
         return ar_t
 
-    ar0 = ar_dec.prefill(rows, ar_len + 2)
+    # one buffer for the whole AR run, as the rounds have: a batch's AR would otherwise grow its cache by windows,
+    # and each new window's compile would be timed as steps
+    ar0 = ar_dec.prefill(rows, ar_len + 2, max_len=round_up(prompt_width(len(ids)) + ar_len + 2, CACHE_BUCKET))
     timed(ar_dec, copy(ar0))  # compiles
     # Per budget an AR run beside its round run, so both decode over contexts of the same length.
     ar_s, ratios, runs, prefilled = float("inf"), {}, {}, {}

@@ -6,6 +6,7 @@ import logging
 import math
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -13,6 +14,7 @@ import jaxspec
 from jaxspec import budget as budget_mod
 from jaxspec import engine
 from jaxspec.budget import best_budget, larger_can_win
+from jaxspec.decoder import Decoder
 from jaxspec.drafter import read_acceptance
 from test_engine import PROMPT, tiny_target
 
@@ -122,6 +124,30 @@ def test_bad_budget():
     for bad in ("fast", 0, 2.5):
         with pytest.raises(ValueError, match="or 'auto'"):
             jaxspec.generate(m, input_ids=PROMPT, drafter=d, budget=bad, max_new_tokens=4)
+
+
+def test_costs_wait_for_the_loops(monkeypatch):
+    """A decode call returns once its loop is queued: every timed chunk must wait for the loop's result before the
+    clock stops (it once timed the dispatch alone, 0.3 ms per "AR step" of a 135M model, and `auto` chose from
+    noise). A batch's AR runs in one buffer, never growing it (a growth's compile timed as steps)."""
+    m = tiny_target("qwen3")
+    d = jaxspec.init_drafter(m, num_layers=1, block_size=8, seed=3)
+    events, wait, decode = [], jax.block_until_ready, Decoder.decode
+
+    def waited(x):
+        events.append("wait")
+        return wait(x)
+
+    def decoded(self, run, stop):
+        events.append(("decode", run.window >= run.full_len))
+        return decode(self, run, stop)
+
+    monkeypatch.setattr(jax, "block_until_ready", waited)
+    monkeypatch.setattr(Decoder, "decode", decoded)
+    budget_mod.measure_costs(m, d, {2: 1.5, 4: 1.7}, reps=2, batch=8)
+    calls = [i for i, e in enumerate(events) if e != "wait"]
+    assert calls and all(events[i][1] for i in calls)  # one buffer for every run
+    assert all(i + 1 < len(events) and events[i + 1] == "wait" for i in calls)  # each call waited for
 
 
 class CharTokenizer:
