@@ -27,18 +27,24 @@ def with_eos(model, prompts):
     return model
 
 
+def queue(family: str, n: int, most: int, seed: int):
+    """(model with an EOS its answers produce, n prompts of 1 to 60 tokens, limits below `most`, each prompt's AR
+    answer alone)."""
+    rng = np.random.default_rng(seed)
+    model = FAMILIES[family]()
+    prompts = [rng.integers(0, model.config.vocab_size, int(rng.integers(1, 61))).tolist() for _ in range(n)]
+    limits = rng.integers(1, most, n).tolist()
+    model = with_eos(model, prompts)
+    want = [jaxspec.generate(model, input_ids=p, method="ar", max_new_tokens=m).token_ids
+            for p, m in zip(prompts, limits)]
+    return model, prompts, limits, want
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_answers_equal_generate_alone(family):
     """9 prompts (1 to 60 tokens, limits 1 to 45) through 3 slots refilled every 4 steps: rows start, slide
     and stop at different times, and each answer is the one `generate` gives the prompt alone."""
-    rng = np.random.default_rng(0)
-    model = FAMILIES[family]()
-    V = model.config.vocab_size
-    prompts = [rng.integers(0, V, int(rng.integers(1, 61))).tolist() for _ in range(9)]
-    limits = rng.integers(1, 46, 9).tolist()
-    model = with_eos(model, prompts)
-    want = [jaxspec.generate(model, input_ids=p, method="ar", max_new_tokens=m).token_ids
-            for p, m in zip(prompts, limits)]
+    model, prompts, limits, want = queue(family, 9, 46, seed=0)
     done = []
     got = generate_many(model, prompts, limits, batch=3, chunk=4, on_done=done.append)
     assert got == want
@@ -50,14 +56,7 @@ def test_greedy_answers_equal_generate_alone(family):
 def test_speculative_answers_equal_generate_alone(family):
     """The same queue through 3 DDTree slots (a random drafter; prompt lookup on, so some drafts are accepted):
     rows refilled at any length and round, each answer the target's greedy one."""
-    rng = np.random.default_rng(4)
-    model = FAMILIES[family]()
-    V = model.config.vocab_size
-    prompts = [rng.integers(0, V, int(rng.integers(1, 61))).tolist() for _ in range(7)]
-    limits = rng.integers(1, 40, 7).tolist()
-    model = with_eos(model, prompts)
-    want = [jaxspec.generate(model, input_ids=p, method="ar", max_new_tokens=m).token_ids
-            for p, m in zip(prompts, limits)]
+    model, prompts, limits, want = queue(family, 7, 40, seed=4)
     d = jaxspec.init_drafter(model, num_layers=1, block_size=8, seed=2)
     done = []
     got = generate_many(model, prompts, limits, batch=3, chunk=6, drafter=d, method="ddtree", budget=6,

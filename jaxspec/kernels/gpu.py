@@ -3,9 +3,9 @@
 A serving cache is sized for the longest answer (32k slots is common) while most steps use a few hundred: the
 reference forms (`xla.py`) compute scores and a softmax over the whole buffer, so at 500 of 32k slots an AR step
 reads the KV buffer 64 times over and materialises [.., 32768] float32 scores per layer. Here the buffer is read
-in blocks of at most BLOCK slots by a loop whose trip count is the used extent (`lax.fori_loop` with a traced
-bound: an XLA while loop), merging the blocks with an online softmax (running maximum, sum and weighted values in
-float32, as flash-decoding does); this forward's own keys (the 1 + budget tree nodes, or a prefill chunk) are one
+in blocks of at most BLOCK slots, and only the blocks up to the used extent are read (a scan over the blocks
+whose steps past the extent are a `cond` that skips them), merging the blocks with an online softmax (running
+maximum, sum and weighted values in float32, as flash-decoding does); this forward's own keys (the 1 + budget tree nodes, or a prefill chunk) are one
 more block under their own mask. Every product is a plain batched matmul that XLA sends to cuBLAS, and no
 tensor spans the buffer but the boolean mask.
 
@@ -68,10 +68,20 @@ def _scores(qg, k, mask, G, scale, softcap):
     return jnp.where(m, s, NEG_INF)
 
 
+def _fold(carry, n_blocks, total: int, step):
+    """carry through step(carry, i) for blocks i < n_blocks (traced) of `total`: a scan over every block whose
+    steps past n_blocks are a `cond` that reads nothing. A loop with a traced bound would do the same on a GPU
+    but cannot be differentiated, and the drafter trains through `attention`."""
+    def body(carry, i):
+        return lax.cond(i < n_blocks, step, lambda c, _: c, carry, i), None
+
+    return lax.scan(body, carry, jnp.arange(total))[0]
+
+
 def _blocks(carry, n_blocks, bs, qg, k, v, mask, G, scale, softcap, valid=None):
     """Fold blocks 0 .. n_blocks - 1 (traced) of k, v [B, K, T, D] (mask [B, N, T]; valid(slots) [B, 1, S] further
     limits which slots count) into the online softmax."""
-    def body(i, carry):
+    def step(carry, i):
         at = i * bs
         kb = lax.dynamic_slice_in_dim(k, at, bs, axis=2)
         vb = lax.dynamic_slice_in_dim(v, at, bs, axis=2)
@@ -80,7 +90,7 @@ def _blocks(carry, n_blocks, bs, qg, k, v, mask, G, scale, softcap, valid=None):
             mb = mb & valid(at + jnp.arange(bs))
         return _update(carry, _scores(qg, kb, mb, G, scale, softcap), vb)
 
-    return lax.fori_loop(0, n_blocks, body, carry)
+    return _fold(carry, n_blocks, k.shape[2] // bs, step)
 
 
 def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, softcap: float | None = None):
@@ -132,11 +142,11 @@ def latent_attention(q, latent, mask, scale: float, value_dim: int):
     kv = latent[:, None]  # [B, 1, T, C]
     mx, tot, acc = _start(B, 1, H * N, value_dim)
 
-    def body(i, carry):
+    def step(carry, i):
         at = i * bs
         kb = lax.dynamic_slice_in_dim(kv, at, bs, axis=2)
         mb = lax.dynamic_slice_in_dim(mask, at, bs, axis=2)
         return _update(carry, _scores(qh, kb, mb, H, scale, None), kb[..., :value_dim])
 
-    _, tot, acc = lax.fori_loop(0, (extent(mask) + bs - 1) // bs, body, (mx, tot, acc))
+    _, tot, acc = _fold((mx, tot, acc), (extent(mask) + bs - 1) // bs, T // bs, step)
     return (acc / tot[..., None]).reshape(B, H, N, value_dim).astype(q.dtype)
