@@ -5,9 +5,9 @@ reference forms (`xla.py`) compute scores and a softmax over the whole buffer, s
 reads the KV buffer 64 times over and materialises [.., 32768] float32 scores per layer. Here the buffer is read
 in blocks of at most BLOCK slots, and only the blocks up to the used extent are read (a scan over the blocks
 whose steps past the extent are a `cond` that skips them), merging the blocks with an online softmax (running
-maximum, sum and weighted values in float32, as flash-decoding does); this forward's own keys (the 1 + budget tree nodes, or a prefill chunk) are one
-more block under their own mask. Every product is a plain batched matmul that XLA sends to cuBLAS, and no
-tensor spans the buffer but the boolean mask.
+maximum, sum and weighted values in float32, as flash-decoding does); this forward's own keys (the 1 + budget
+tree nodes, or a prefill chunk) are one more block under their own mask. Every product is a plain batched
+matmul that XLA sends to cuBLAS, and no tensor spans the buffer but the boolean mask.
 
 Same arguments and results as the references; tested against them on CPU (tests/test_kernels_gpu.py) and selected
 by the "gpu" backend (`jaxspec.kernels`), which `jaxspec.load` picks on a GPU. A row that sees no slot at all
