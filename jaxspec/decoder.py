@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import jax
@@ -27,7 +27,7 @@ import numpy as np
 from jaxspec import engine
 from jaxspec.drafter import Drafter
 from jaxspec.model import Model
-from jaxspec.sampling import SamplingParams
+from jaxspec.sampling import RowSampling, SamplingParams
 from jaxspec.sharding import to_host
 from pallas_kernels.kv_commit import effective_impl
 
@@ -161,14 +161,27 @@ class Decoder:
         widest = prompt_width(max(map(len, prompts)))
         return max(round_up(span + chunk, 32), widest)  # attention reads every slot: no more than needed
 
+    def row_sampling(self, params: list[SamplingParams] | None, n: int) -> RowSampling | None:
+        """The engine's per-row settings for n rows (SamplingParams(per_row=True) decoders only)."""
+        if not self.sampling.per_row:
+            if params is not None:
+                raise ValueError("per-row sampling settings need a Decoder with SamplingParams(per_row=True)")
+            return None
+        if params is None or len(params) != n:
+            raise ValueError(f"a per-row decoder needs one SamplingParams per row: {n} rows, got "
+                             f"{None if params is None else len(params)}")
+        return RowSampling.of(params)
+
     def prefill(self, rows: list[list[int]], max_new_tokens: int | list[int], key: jax.Array | None = None, *,
-                max_len: int | None = None, out_len: int | None = None) -> Run:
+                max_len: int | None = None, out_len: int | None = None,
+                sampling: list[SamplingParams] | None = None) -> Run:
         """Prefill `rows` and sample each row's first token. max_new_tokens: one limit or one per row.
         max_len / out_len: fixed cache and output sizes (continuous batching) instead of the ones sized for
-        max_new_tokens."""
+        max_new_tokens. sampling: each row's settings (a SamplingParams(per_row=True) decoder)."""
         m = self.model
         key = jax.random.key(0) if key is None else key
         check_rows(rows, max_new_tokens)
+        row_sampling = self.row_sampling(sampling, len(rows))
         lens = [len(r) for r in rows]
         if self.method == "ar":
             most = max_new_tokens if isinstance(max_new_tokens, int) else max(max_new_tokens)
@@ -177,7 +190,8 @@ class Decoder:
             full = max(max_len, P) if max_len else round_up(P + most, CACHE_BUCKET)
             window = full if max_len else ar_window(m, len(rows), full)
             state = engine.ar_prefill(m.jit_def, m.params, jnp.asarray(tokens), jnp.asarray(start), key,
-                                      jnp.asarray(max_new_tokens, jnp.int32), max_len=min(full, P + window),
+                                      jnp.asarray(max_new_tokens, jnp.int32), row_sampling,
+                                      max_len=min(full, P + window),
                                       out_len=out_len or round_up(most, 64), sampling=self.sampling, eos=self.eos,
                                       layout=m.layout)
             return Run(state, lens, P, full, window)
@@ -190,7 +204,8 @@ class Decoder:
         d = self.drafter
         state = engine.spec_prefill(m.jit_def, m.params, d.jit_def, d.params, jnp.asarray(tokens),
                                     jnp.asarray(lens, jnp.int32), key, jnp.asarray(max_new_tokens, jnp.int32),
-                                    max_len=max_len, out_len=out_len or round_up(most, 64) + self.settings.round_tokens,
+                                    row_sampling, max_len=max_len,
+                                    out_len=out_len or round_up(most, 64) + self.settings.round_tokens,
                                     settings=self.settings)
         return Run(state, lens, P, max_len, max_len)
 
@@ -217,10 +232,11 @@ class Decoder:
                                  layout=m.layout)
 
     def refill(self, run: Run, slots: list[int], prompts: list[list[int]], limits: list[int],
-               key: jax.Array | None = None) -> list[int]:
+               key: jax.Array | None = None, sampling: list[SamplingParams] | None = None) -> list[int]:
         """Continuous batching: `prompts` enter the finished rows `slots` with `limits` new tokens each; returns
         their first tokens. Groups are padded to a power of two (few distinct compiles). key: the new rows' rng
-        (speculative methods; AR draws from the batch's stream).
+        (speculative methods: one key, or one per prompt; AR draws from the batch's stream). sampling: each new
+        row's settings (a SamplingParams(per_row=True) decoder).
 
         AR rows move in lockstep, so each prompt is prefilled to end where the other rows' tokens end (the live
         rows slide right first where a prompt is longer). A speculative row owns its length, so its prompt
@@ -239,6 +255,9 @@ class Decoder:
                                      f"{run.full_len} cache slots; prefill the batch with max_len= for the longest")
         R = 1 << math.ceil(math.log2(n))
         P = prompt_width(max(map(len, prompts)))
+        row_sampling = self.row_sampling(None if sampling is None else list(sampling) + [sampling[0]] * (R - n), R)
+        if key is not None and key.shape == (n,):
+            key = jnp.concatenate([key, jnp.broadcast_to(key[:1], (R - n,))])
         rows = jnp.asarray(slots + [B] * (R - n), jnp.int32)  # index B: padding, dropped
         padded, max_new = prompts + [prompts[0]] * (R - n), jnp.asarray(list(limits) + [1] * (R - n), jnp.int32)
         if self.method != "ar":
@@ -248,7 +267,8 @@ class Decoder:
             d = self.drafter
             run.state = engine.spec_refill(m.jit_def, m.params, d.jit_def, d.params, run.state, rows,
                                            jnp.asarray(tokens), jnp.asarray([len(p) for p in padded], jnp.int32),
-                                           jax.random.key(0) if key is None else key, max_new, settings=self.settings)
+                                           jax.random.key(0) if key is None else key, max_new, row_sampling,
+                                           settings=self.settings)
             return to_host(run.state.out)[slots, 0].tolist()
         tokens, start = left_pad(padded, P)
         length = int(to_host(run.state.cache.length).max())  # AR rows move in lockstep
@@ -256,9 +276,14 @@ class Decoder:
             run.state = engine.ar_reslot(run.state, jnp.int32(length - P), max_len=run.state.cache.max_len,
                                          layout=m.layout)
         run.state, first = engine.ar_refill(m.jit_def, m.params, run.state, rows, jnp.asarray(tokens),
-                                            jnp.asarray(start), max_new, sampling=self.sampling, eos=self.eos,
-                                            layout=m.layout)
+                                            jnp.asarray(start), max_new, row_sampling, sampling=self.sampling,
+                                            eos=self.eos, layout=m.layout)
         return to_host(first)[:n].tolist()
+
+    def cancel(self, run: Run, rows: list[int]) -> None:
+        """Mark `rows` done (a client went away, a stop string matched): they stop emitting and, for speculative
+        methods, stop committing; their rows can be refilled."""
+        run.state = replace(run.state, done=run.state.done.at[jnp.asarray(rows, jnp.int32)].set(True))
 
     def make_room(self, run: Run, live: list[int], tokens: int) -> None:
         """Continuous batching: slide the live rows' tokens to the front of the cache where `tokens` more would

@@ -30,7 +30,7 @@ from jaxspec.accept import accept_walk
 from jaxspec.cache import Cache
 from jaxspec.kernels import use
 from jaxspec.lookup import MAX_DEPTH, chain_logprobs, lookup_chain
-from jaxspec.sampling import SamplingParams, sample
+from jaxspec.sampling import RowSampling, SamplingParams, sample, sample_per_row
 from jaxspec.segment import Segment
 from jaxspec.sharding import Layout
 from jaxspec.tree import Tree, add_chain, build_chain, build_tree, prune, tree_segment
@@ -49,6 +49,7 @@ class ARState:
     done: jax.Array  # [B] bool: EOS sampled or max_new reached
     key: jax.Array
     max_new: jax.Array  # [] or [B] int32: tokens each row may generate
+    row_sampling: RowSampling | None = None  # each row's settings under SamplingParams(per_row=True)
 
 
 def _on_kernels(step):
@@ -111,28 +112,32 @@ def prefill_forward(target, tokens, positions, lengths, cache: Cache, *, chunk: 
 @functools.partial(jax.jit, static_argnames=("target_def", "max_len", "out_len", "sampling", "eos", "layout",
                                              "chunk"))
 @_on_kernels
-def ar_prefill(target_def, target_params, tokens, start, key, max_new, *, max_len, out_len,
-               sampling: SamplingParams, eos, layout: Layout | None = None, chunk: int = PREFILL_CHUNK) -> ARState:
-    """Left-padded prompts tokens [B, P] (row b's first real slot is start[b]) -> state with the first token."""
+def ar_prefill(target_def, target_params, tokens, start, key, max_new, row_sampling: RowSampling | None = None, *,
+               max_len, out_len, sampling: SamplingParams, eos, layout: Layout | None = None,
+               chunk: int = PREFILL_CHUNK) -> ARState:
+    """Left-padded prompts tokens [B, P] (row b's first real slot is start[b]) -> state with the first token.
+    row_sampling: each row's settings when sampling.per_row."""
     target = nnx.merge(target_def.graphdef, target_params)
     B, P = tokens.shape
     cache, tok, key = _prefill(target, tokens, start, _pin(layout, target.init_cache(B, max_len).with_start(start)),
-                               key, sampling, chunk)
+                               key, sampling, chunk, row_sampling)
     return ARState(
         cache=_pin(layout, cache), last=tok, out=jnp.zeros((B, out_len), jnp.int32).at[:, 0].set(tok),
         emitted=jnp.ones((B,), jnp.int32), steps=jnp.int32(1),
         done=jnp.isin(tok, jnp.asarray(eos, jnp.int32)) | (max_new <= 1), key=key, max_new=max_new,
+        row_sampling=row_sampling,
     )
 
 
-def _prefill(target, tokens, start, cache: Cache, key, sampling: SamplingParams, chunk: int = PREFILL_CHUNK):
+def _prefill(target, tokens, start, cache: Cache, key, sampling: SamplingParams, chunk: int = PREFILL_CHUNK,
+             row_sampling: RowSampling | None = None):
     """Left-padded prompts tokens [B, P] through `cache` (its start = start) -> (cache advanced by P, each row's
     first token [B], the next key). The pads' positions are clamped to 0: no real token ever attends to them."""
     B, P = tokens.shape
     positions = jnp.maximum(jnp.arange(P)[None, :] - start[:, None], 0)
     logits, cache, _ = prefill_forward(target, tokens, positions, P, cache, chunk=chunk)
     key, sub = jax.random.split(key)
-    return cache, sample(logits, sub, sampling), key
+    return cache, sample(logits, sub, sampling, row_sampling), key
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "sampling", "eos", "layout"), donate_argnames=("state",))
@@ -150,36 +155,39 @@ def ar_decode(target_def, target_params, state: ARState, stop_at, *, sampling: S
         positions = (s.cache.length - s.cache.start)[:, None]  # [B, 1]
         logits, _, cache = target(s.last[:, None], Segment.causal(positions), s.cache)
         key, sub = jax.random.split(s.key)
-        tok = sample(logits[:, 0], sub, sampling)
+        tok = sample(logits[:, 0], sub, sampling, s.row_sampling)
         live = ~s.done
         out = jax.lax.dynamic_update_slice(s.out, jnp.where(live, tok, 0)[:, None], (0, s.steps))
         done = s.done | jnp.isin(tok, eos_ids) | (s.emitted + 1 >= s.max_new)
-        return ARState(cache=_pin(layout, cache.advance(1)), last=tok, out=out, emitted=s.emitted + live,
-                       steps=s.steps + 1,
-                       done=done, key=key, max_new=s.max_new)
+        return replace(s, cache=_pin(layout, cache.advance(1)), last=tok, out=out, emitted=s.emitted + live,
+                       steps=s.steps + 1, done=done, key=key)
 
     return jax.lax.while_loop(cond, body, state)
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "sampling", "eos", "layout"), donate_argnames=("state",))
 @_on_kernels
-def ar_refill(target_def, target_params, state: ARState, rows, tokens, start, max_new, *, sampling: SamplingParams,
-              eos, layout: Layout | None = None) -> tuple[ARState, jax.Array]:
+def ar_refill(target_def, target_params, state: ARState, rows, tokens, start, max_new,
+              row_sampling: RowSampling | None = None, *, sampling: SamplingParams, eos,
+              layout: Layout | None = None) -> tuple[ARState, jax.Array]:
     """Continuous batching: rows `rows` [R] (finished; indices >= B are padding and ignored) start new prompts.
 
     tokens [R, P] left-padded (row r's first real slot start[r]) are prefilled into a fresh P-slot cache that
     put_rows places so each prompt ends at the batch's `length`; the rows then decode on with the others,
-    `max_new` [R] tokens each. Returns the state (per-row max_new) and each new row's first token [R]."""
+    `max_new` [R] tokens each (and row_sampling [R] settings when sampling.per_row). Returns the state (per-row
+    max_new) and each new row's first token [R]."""
     target = nnx.merge(target_def.graphdef, target_params)
     R, P = tokens.shape
-    fresh, tok, key = _prefill(target, tokens, start, target.init_cache(R, P).with_start(start), state.key, sampling)
+    fresh, tok, key = _prefill(target, tokens, start, target.init_cache(R, P).with_start(start), state.key, sampling,
+                               row_sampling=row_sampling)
     put = lambda x, y: x.at[rows].set(y, mode="drop")  # noqa: E731
     B = state.last.shape[0]
     state = replace(
         state, cache=_pin(layout, state.cache.put_rows(rows, fresh)), last=put(state.last, tok),
         emitted=put(state.emitted, jnp.ones((R,), jnp.int32)),
         done=put(state.done, jnp.isin(tok, jnp.asarray(eos, jnp.int32)) | (max_new <= 1)),
-        key=key, max_new=put(jnp.broadcast_to(state.max_new, (B,)), max_new))
+        key=key, max_new=put(jnp.broadcast_to(state.max_new, (B,)), max_new),
+        row_sampling=jax.tree.map(put, state.row_sampling, row_sampling))
     return state, tok
 
 
@@ -252,12 +260,16 @@ class SpecState:
     accepted_hist: jax.Array  # [B, tree_depth + 1] rounds that accepted k draft tokens
     tree_nodes: jax.Array  # [B] valid non-root tree nodes verified, summed over rounds
     history: jax.Array  # [B, max_len] the prompt, the committed tokens and the bonus, at their positions
+    row_sampling: RowSampling | None = None  # each row's settings under SamplingParams(per_row=True)
 
 
-def _sample_rows(logits, keys, sampling: SamplingParams):
-    """logits [B, ..., V] -> tokens [B, ...], row b drawn with keys[b] (greedy needs no key)."""
+def _sample_rows(logits, keys, sampling: SamplingParams, rows: RowSampling | None = None):
+    """logits [B, ..., V] -> tokens [B, ...], row b drawn with keys[b] (greedy needs no key) and, per_row, with
+    its own settings rows[b]."""
     if sampling.greedy:
         return sample(logits, None, sampling)
+    if sampling.per_row:
+        return sample_per_row(logits, keys, rows)
     return jax.vmap(lambda x, k: sample(x, k, sampling))(logits, keys)
 
 
@@ -269,32 +281,36 @@ def _split_rows(keys):
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "max_len", "out_len", "settings", "chunk"))
 @_on_kernels
-def spec_prefill(target_def, target_params, drafter_def, drafter_params, tokens, length, key, max_new, *,
-                 max_len, out_len, settings: SpecSettings, chunk: int = PREFILL_CHUNK) -> SpecState:
+def spec_prefill(target_def, target_params, drafter_def, drafter_params, tokens, length, key, max_new,
+                 row_sampling: RowSampling | None = None, *, max_len, out_len, settings: SpecSettings,
+                 chunk: int = PREFILL_CHUNK) -> SpecState:
     """Right-padded prompts tokens [B, P] (row b's real length length[b]) -> round state with each row's first
-    bonus. key: one key (split per row) or [B] keys; max_new: [] or [B]."""
+    bonus. key: one key (split per row) or [B] keys; max_new: [] or [B]; row_sampling: [B] settings when
+    settings.sampling.per_row."""
     target, drafter = nnx.merge(target_def.graphdef, target_params), nnx.merge(drafter_def.graphdef, drafter_params)
-    return _spec_start(target, drafter, tokens, length, key, max_new, max_len, out_len, settings, chunk)
+    return _spec_start(target, drafter, tokens, length, key, max_new, max_len, out_len, settings, chunk,
+                       row_sampling)
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "settings"), donate_argnames=("state",))
 @_on_kernels
 def spec_refill(target_def, target_params, drafter_def, drafter_params, state: SpecState, rows, tokens, length, key,
-                max_new, *, settings: SpecSettings) -> SpecState:
+                max_new, row_sampling: RowSampling | None = None, *, settings: SpecSettings) -> SpecState:
     """Continuous batching: rows `rows` [R] (finished; indices >= B are padding, dropped) start the right-padded
     prompts tokens [R, P] (real lengths length [R], max_new [R] tokens each). Each row owns its slots and its
     length, so a new prompt starts at slot 0 of its row whatever the others hold: every per-row buffer of the
     state (caches, drafter context, outputs, statistics, rng) is replaced by a fresh prefill's."""
     target, drafter = nnx.merge(target_def.graphdef, target_params), nnx.merge(drafter_def.graphdef, drafter_params)
     fresh = _spec_start(target, drafter, tokens, length, key, max_new, state.cache.max_len, state.out.shape[1],
-                        settings)
+                        settings, row_sampling=row_sampling)
     state = jax.tree.map(lambda x, y: x.at[rows].set(y, mode="drop"), state, fresh)
     return replace(state, cache=_pin(settings.layout, state.cache),
                    draft_cache=_pin(settings.draft_layout, state.draft_cache))
 
 
 def _spec_start(target, drafter, tokens, length, key, max_new, max_len: int, out_len: int,
-                settings: SpecSettings, chunk: int = PREFILL_CHUNK) -> SpecState:
+                settings: SpecSettings, chunk: int = PREFILL_CHUNK,
+                row_sampling: RowSampling | None = None) -> SpecState:
     B, P = tokens.shape
     length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), (B,))
     keys = key if key.shape == (B,) else jax.random.split(key, B)
@@ -305,7 +321,7 @@ def _spec_start(target, drafter, tokens, length, key, max_new, max_len: int, out
                                                  tap_layers=settings.tap_layers, drafter=drafter,
                                                  draft_cache=draft_cache)
     keys, sub = _split_rows(keys)
-    bonus = _sample_rows(logits, sub, settings.sampling)
+    bonus = _sample_rows(logits, sub, settings.sampling, row_sampling)
     rows = jnp.arange(B)
     history = jnp.zeros((B, max_len), jnp.int32).at[:, :P].set(tokens).at[rows, length].set(bonus)
     max_new = jnp.broadcast_to(jnp.asarray(max_new, jnp.int32), (B,))
@@ -314,7 +330,7 @@ def _spec_start(target, drafter, tokens, length, key, max_new, max_len: int, out
         out=jnp.zeros((B, out_len), jnp.int32).at[:, 0].set(bonus), emitted=jnp.ones((B,), jnp.int32),
         done=jnp.isin(bonus, jnp.asarray(settings.eos, jnp.int32)) | (max_new <= 1), key=keys, max_new=max_new,
         rounds=jnp.zeros((B,), jnp.int32), accepted_hist=jnp.zeros((B, settings.round_tokens), jnp.int32),
-        tree_nodes=jnp.zeros((B,), jnp.int32), history=history,
+        tree_nodes=jnp.zeros((B,), jnp.int32), history=history, row_sampling=row_sampling,
     )
 
 
@@ -346,7 +362,7 @@ def spec_round(target, drafter, s: SpecState, settings: SpecSettings) -> SpecSta
     #    and its own ancestors
     logits, taps, pending = target(tokens, tree_segment(tree, pos), s.cache, tap_layers=settings.tap_layers)
     # 4. accept, row by row
-    target_tokens = _sample_rows(logits, k_verify, settings.sampling)  # [B, N]
+    target_tokens = _sample_rows(logits, k_verify, settings.sampling, s.row_sampling)  # [B, N]
     path, k = jax.vmap(lambda t, tt: accept_walk(t, tt, D))(tree, target_tokens)  # [B, D + 1], [B]
     # 5. commit each row's path in the target cache and the drafter context; a done row keeps nothing
     n = jnp.where(live, k + 1, 0)

@@ -14,11 +14,12 @@ import scipy.stats
 
 import jaxspec
 from jaxspec.config import dense_config_from_dict
+from jaxspec.decoder import Decoder
 from jaxspec.kernels import cpu as cpu_kernel
 from jaxspec.kernels.xla import argmax as _argmax_xla
 from jaxspec.models.deepseek import deepseek_config_from_dict
 from jaxspec.models.qwen3_next import hybrid_config_from_dict
-from jaxspec.sampling import SamplingParams, argmax, filtered_logits
+from jaxspec.sampling import RowSampling, SamplingParams, argmax, filtered_logits, row_filtered_logits
 from jaxspec.testing import oracle_drafter
 from test_cache import GDN, MLA
 from test_engine import BASE, PROMPT, TINY, tiny_target
@@ -329,3 +330,41 @@ def test_lossless_sampling_pairs(family, method, budget, noise, temperature, top
     assert hist[2:].sum() >= 150, hist  # rounds that accepted a node at depth >= 2
     assert hist[SPEC_BLOCK - 1:].sum() >= 100, hist  # fully accepted blocks (or deeper chains), then a bonus
     assert full_first >= 100, full_first
+
+
+# ------------------------------------------------------------------------------------ per-row settings
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+def test_row_filter_equals_the_static_one(ties):
+    """Per-row settings (arrays) filter each row exactly as the static SamplingParams of that row does: every
+    FILTER_CASES setting on its own rows of one batch, top-k off / top-p off included."""
+    rng = np.random.RandomState(7 + ties)
+    cases = FILTER_CASES + [(0.8, 0, 1.0)]
+    logits = (rng.randn(len(cases), 32, V_FILTER) * 3).astype(np.float32)
+    if ties:
+        logits = (np.round(logits * 2) / 2).astype(np.float32)
+    rows = RowSampling.of([SamplingParams(*c) for c in cases])
+    ours = np.asarray(row_filtered_logits(jnp.asarray(logits), rows))
+    for i, c in enumerate(cases):
+        np.testing.assert_array_equal(ours[i], np.asarray(filtered_logits(jnp.asarray(logits[i]), SamplingParams(*c))))
+
+
+@pytest.mark.parametrize("method", ["ar", "ddtree"])
+def test_per_row_settings_decode_each_row_as_its_own(method):
+    """A per-row decoder whose rows all ask for one setting draws exactly the static decoder's tokens (same keys,
+    same filtered logits); a greedy row among sampled ones gets its greedy answer."""
+    model, rows, n = tiny_target("qwen3"), [PROMPT, PROMPT[:7]], 24
+    refs = [r + jaxspec.generate(model, input_ids=r, max_new_tokens=n).token_ids for r in rows]
+    drafter = None if method == "ar" else oracle_drafter(model, refs)
+    budget = None if method == "ar" else 6
+    run_of = lambda dec, **kw: dec.decode(dec.prefill(rows, n, jax.random.key(3), **kw), n)  # noqa: E731
+    per_row = Decoder(model, drafter, method=method, budget=budget, sampling=SamplingParams(per_row=True))
+    for sp in (SamplingParams(1.3), SamplingParams(0.9, 20, 0.9)):  # the branches without and with filters
+        static = Decoder(model, drafter, method=method, budget=budget, sampling=sp)
+        expect = static.tokens(run_of(static))
+        assert per_row.tokens(run_of(per_row, sampling=[sp, sp])) == expect
+    greedy = Decoder(model, drafter, method=method, budget=budget)
+    mixed = per_row.tokens(run_of(per_row, sampling=[SamplingParams(), sp]))
+    assert mixed[0] == greedy.tokens(run_of(greedy))[0]
+    assert mixed[0] != expect[0]  # the sampled answer differs, so the greedy row's equality means something
