@@ -7,10 +7,12 @@ round(b), both timed at the batch size that runs. The factors come from differen
   * AL(b) belongs to the drafter and its target: measured on held-out prompts and shipped beside the weights
     as `acceptance.json` (`bench/spec.py --save-acceptance` writes it);
   * the costs belong to the machine and the batch: an AR step and a round per budget are timed here in the
-    decode loops themselves, once per (target, drafter, backend, machine, batch size rounded up to a power of
-    two; see _key), and kept in the user's cache directory (`costs.json`; in this process's memory alone where
-    that cannot be written). A batch's verify reads the weights once for B x (1 + b) nodes, so where a larger
-    tree is nearly free at batch 1 it is not at batch 16: the best budget falls as the batch grows.
+    decode loops themselves, per (target, drafter, backend, machine, batch size rounded up to a power of two;
+    see _key), and kept in the user's cache directory (`costs.json`; in this process's memory alone where that
+    cannot be written): every budget by the first run, the few that could be the best by the next runs, until
+    COST_SAMPLES processes have timed them, and their median decides (see `costs`). A batch's verify reads the
+    weights once for B x (1 + b) nodes, so where a larger tree is nearly free at batch 1 it is not at batch 16:
+    the best budget falls as the batch grows.
 
 The budget is the measured table's best entry. A drafter without a table keeps the plain default
 (block_size - 1) and says so in the statistics.
@@ -51,9 +53,17 @@ _log = logging.getLogger(__name__)
 COST_CONTEXT = 256  # twice the prompt the costs are timed after (a short chat turn)
 # 1: isolated forwards; 2: decode loops after random tokens; 3: the same after COST_PROMPT; 4: entries also record
 # their format, measurement count (reps) and date, and the key names the core count, XLA_FLAGS and jaxspec's version;
-# 5: the decode loops are waited for (4 and before timed their dispatch alone), a batch's AR in one buffer
-COST_FORMAT = 5
+# 5: the decode loops are waited for (4 and before timed their dispatch alone), a batch's AR in one buffer;
+# 6: an entry holds the timings of up to COST_SAMPLES processes (`samples`), each with its rounds' spread
+COST_FORMAT = 6
 COST_REPS = 4  # measure_costs' passes over the budgets for the stored table
+# Processes whose timings an entry keeps; the costs are their median. One process's timing moves with the spell of
+# the machine's speed it ran in: two identical first runs once chose budgets 8 and 4 from one timing each.
+COST_SAMPLES = 3
+# The least relative noise of a round's timing (a round as a multiple of the AR step): timings of one budget that
+# differ by less agree, whatever spread their chunks showed. Runs on the 2-core VM put a round within 2-9% of
+# another run's (docs/design/budget.md).
+COST_NOISE = 0.05
 # What the rounds are timed after, where the model has a tokenizer: a user's question, so the rounds accept what
 # they do in use. After random tokens a small target repeats itself and a round accepts far more than in use, so
 # a chunk of `tokens` was one round carrying a whole call's dispatch and read-back, which inflated the round's
@@ -100,7 +110,9 @@ def measure_costs(model, drafter, acceptance: dict[int, float], lookup: bool = T
     round costs the median of its chunks' ratios to the AR chunk before them, times the fastest AR step. A VM's
     speed moves in spells of seconds, and not by the same factor for AR steps and rounds: the ratio of two
     neighbouring chunks shares their spell, and interleaving gives every budget the same spells (timed one
-    budget after another, a slow spell can fall on one budget alone and mislead `auto`; docs/design/budget.md)."""
+    budget after another, a slow spell can fall on one budget alone and mislead `auto`; docs/design/budget.md).
+    Also returns each round's `spread`: the half-range of its chunks' ratios over their median, the noise of
+    this timing (`costs` compares another process's timing with it)."""
     ids = cost_prompt(model, COST_CONTEXT // 2)
     rows = [ids] * batch
     chunks = max(reps, 2)  # timed chunks per budget
@@ -151,7 +163,8 @@ def measure_costs(model, drafter, acceptance: dict[int, float], lookup: bool = T
     for _ in range(reps - 2):
         for b in ratios:
             ar_s = min(ar_s, sample(b))
-    return dict(ar_step_s=ar_s, round_s={b: statistics.median(r) * ar_s for b, r in ratios.items()})
+    return dict(ar_step_s=ar_s, round_s={b: statistics.median(r) * ar_s for b, r in ratios.items()},
+                spread={b: (max(r) - min(r)) / (2 * statistics.median(r)) for b, r in ratios.items()})
 
 
 def larger_can_win(acceptance: dict[int, float], round_s: dict[int, float]) -> bool:
@@ -195,30 +208,110 @@ def _seconds(x) -> float | None:
     return float(x)
 
 
-def _valid_entry(entry) -> dict | None:
-    """A stored cost entry as costs() returns it ({ar_step_s, round_s: {budget: s}}), or None where it is not one
-    this version wrote or cannot be believed: missing fields, another format, non-numbers, zero, negative or
-    non-finite seconds, an empty round table, or a round under a twentieth of an AR step (a round runs the
-    target's forward over 1 + b tokens and the drafter's as well, so no real timing comes near that, while on a
-    tiny target a round can time under half an AR step; a 1e-9 s round would make `auto` pick the largest
-    budget)."""
-    if not isinstance(entry, dict) or entry.get("format") != COST_FORMAT:
+def _valid_sample(sample) -> dict | None:
+    """One process's stored timing as {ar_step_s, round_s: {budget: s}, spread: {budget: relative}, reps,
+    measured}, or None where it cannot be believed: missing fields, non-numbers, zero, negative or non-finite
+    seconds, an empty round table, a round without a finite spread >= 0, or a round under a twentieth of an AR
+    step (a round runs the target's forward over 1 + b tokens and the drafter's as well, so no real timing
+    comes near that, while on a tiny target a round can time under half an AR step; a 1e-9 s round would make
+    `auto` pick the largest budget). `reps` and `measured` (its passes and date) are kept as written, for a
+    later format to decide which samples to trust."""
+    if not isinstance(sample, dict):
         return None
-    ar = _seconds(entry.get("ar_step_s"))
-    rounds = entry.get("round_s")
-    if ar is None or not isinstance(rounds, dict) or not rounds:
+    ar = _seconds(sample.get("ar_step_s"))
+    rounds, spread = sample.get("round_s"), sample.get("spread")
+    if ar is None or not isinstance(rounds, dict) or not rounds or not isinstance(spread, dict):
         return None
-    out = {}
+    out = dict(ar_step_s=ar, round_s={}, spread={}, reps=sample.get("reps"), measured=sample.get("measured"))
     for b, s in rounds.items():
         try:
             b = int(b)
         except (TypeError, ValueError):
             return None
-        s = _seconds(s)
-        if b < 1 or s is None or s < ar / 20:
+        s, noise = _seconds(s), spread.get(str(b))
+        if b < 1 or s is None or s < ar / 20 or isinstance(noise, bool) or not isinstance(noise, (int, float)) \
+                or not 0 <= noise < math.inf:
             return None
-        out[b] = s
-    return dict(ar_step_s=ar, round_s=out)
+        out["round_s"][b], out["spread"][b] = s, float(noise)
+    return out
+
+
+def _valid_entry(entry) -> dict | None:
+    """A stored cost entry as {samples: [sample, ...], retimed}, or None where it is not one this version wrote
+    (another format, no list of samples) or any of its samples cannot be believed (_valid_sample)."""
+    if not isinstance(entry, dict) or entry.get("format") != COST_FORMAT:
+        return None
+    samples = entry.get("samples")
+    if not isinstance(samples, list) or not samples:
+        return None
+    samples = [_valid_sample(s) for s in samples]
+    return None if None in samples else dict(samples=samples, retimed=entry.get("retimed") is True)
+
+
+def _on_disk(entry: dict) -> dict:
+    """An entry as costs.json holds it (JSON's keys are strings)."""
+    strings = lambda d: {str(b): x for b, x in d.items()}  # noqa: E731
+    return dict(format=COST_FORMAT, retimed=entry["retimed"], samples=[
+        dict(s, round_s=strings(s["round_s"]), spread=strings(s["spread"])) for s in entry["samples"]])
+
+
+def _usable(stored, acceptance: dict[int, float]) -> dict | None:
+    """A stored entry (_valid_entry) if valid and timed at budgets of the acceptance table alone, else None."""
+    entry = _valid_entry(stored)
+    if entry is None or not {b for s in entry["samples"] for b in s["round_s"]} <= set(acceptance):
+        return None
+    return entry
+
+
+def _ratios(sample: dict) -> dict[int, float]:
+    """A sample's rounds in AR steps: what the choice depends on (AL(b) x ar_step / round(b)), and steadier than
+    the seconds, which move with the spell a process ran in."""
+    return {b: s / sample["ar_step_s"] for b, s in sample["round_s"].items()}
+
+
+def _median_costs(entry: dict) -> dict:
+    """The costs an entry stands for ({ar_step_s, round_s: {budget: s}}): its samples' median AR step, and per
+    budget the median of their rounds in AR steps, times that step."""
+    samples = entry["samples"]
+    ar = statistics.median(s["ar_step_s"] for s in samples)
+    budgets = sorted({b for s in samples for b in s["round_s"]})
+    return dict(ar_step_s=ar, round_s={b: statistics.median(_ratios(s)[b] for s in samples if b in s["round_s"]) * ar
+                                       for b in budgets})
+
+
+def _spread(samples: list[dict], b: int) -> float:
+    """The noise of one process's timing of budget b's round: the largest spread its chunks showed in any of
+    `samples`, at least COST_NOISE."""
+    return max(COST_NOISE, *(s["spread"][b] for s in samples if b in s["spread"]))
+
+
+def _contenders(acceptance: dict[int, float], entry: dict) -> list[int]:
+    """The budgets a fresh timing could make the best: those whose rate AL(b) / round(b) comes within their noise
+    and the best budget's of the best rate, the noise being a process's spread or the half-range of the stored
+    processes' timings, whichever is larger."""
+    def noise(b):
+        rs = [_ratios(s)[b] for s in entry["samples"] if b in s["round_s"]]
+        return max(_spread(entry["samples"], b), (max(rs) - min(rs)) / (max(rs) + min(rs)))
+
+    rate = {b: acceptance[b] / s for b, s in _median_costs(entry)["round_s"].items()}
+    best = max(rate, key=rate.get)
+    return sorted(b for b in rate if rate[b] * (1 + noise(b) + noise(best)) >= rate[best])
+
+
+def _agrees(entry: dict, fresh: dict) -> bool:
+    """Whether every round of a fresh sample lies within the range of the entry's samples, widened by the noise of
+    a process's timing (_spread, of the fresh sample or a stored one)."""
+    for b, r in _ratios(fresh).items():
+        rs = [_ratios(s)[b] for s in entry["samples"] if b in s["round_s"]]
+        noise = _spread([*entry["samples"], fresh], b)
+        if not min(rs) * (1 - noise) <= r <= max(rs) * (1 + noise):
+            return False
+    return True
+
+
+def _joined(entry: dict, fresh: dict) -> dict:
+    """The entry with a fresh sample added, unless it holds COST_SAMPLES already (a concurrent run added one)."""
+    return entry if len(entry["samples"]) >= COST_SAMPLES else dict(entry, samples=[*entry["samples"], fresh])
 
 
 def _read_table(path: Path, quiet: bool = False) -> dict:
@@ -244,16 +337,18 @@ def _read_table(path: Path, quiet: bool = False) -> dict:
     return good
 
 
-def _write_table(path: Path, key: str, entry: dict) -> None:
-    """Add `entry` under `key` to costs.json: under a lock, the file as it is now (another process may have added
-    its own entries since it was read) plus this entry, written to a temporary file and renamed over it, so
-    concurrent first runs keep each other's keys and no reader ever sees half a file. Raises OSError."""
+def _write_table(path: Path, key: str, update) -> dict:
+    """Put update(the entry stored under `key` now, or None) under `key` in costs.json and return it: under a
+    lock, the file as it is now (another process may have added its own entries, or a sample to this one,
+    since it was read) with this entry, written to a temporary file and renamed over it, so concurrent runs
+    keep each other's keys and samples and no reader ever sees half a file. Raises OSError."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "a") as lock:
         if fcntl is not None:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         known = _read_table(path, quiet=True)
-        known[key] = entry
+        entry = update(known.get(key))
+        known[key] = _on_disk(entry)
         fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "w") as fh:
@@ -262,6 +357,7 @@ def _write_table(path: Path, key: str, entry: dict) -> None:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+    return entry
 
 
 # Costs this process measured or read, by (costs.json path, key): where the cache cannot be written, a process
@@ -270,41 +366,68 @@ _measured: dict[tuple[str, str], dict] = {}
 
 
 def costs(model, drafter, acceptance: dict[int, float], lookup: bool = True, batch: int = 1) -> dict:
-    """measure_costs at `batch` rows (a power of two: batch_bucket), remembered in the user's cache (the cost of
-    one compile per budget, paid once per machine) or, where it cannot be written, for this process.
+    """measure_costs at `batch` rows (a power of two: batch_bucket) as the median of COST_SAMPLES processes'
+    timings, kept in the user's cache or, where it cannot be written, for this process.
 
-    An entry records its format, its measurement count and its date, and is used as long as COST_FORMAT is its
-    format: a timing is the median of COST_REPS interleaved passes (measure_costs), and timing again on every
-    disagreement would cost each run a compile per budget, so a noisy entry is kept until the format changes
-    (which re-times every entry) or the user deletes costs.json; the count and the date let a later format
-    decide which entries to trust."""
+    One process's timing is only as good as the spell of the machine's speed it ran in, and timing every budget
+    in every run would cost each run a compile per budget. So the first run times every budget and stores that
+    as the entry's first sample; each later run, until the entry holds COST_SAMPLES samples, times only the
+    budgets that could be the best within the noise (_contenders, typically two or three) and adds them as a
+    sample; from then on runs read the entry without timing. A sample that disagrees with the stored ones
+    (_agrees) says they were timed in an unusual spell (or on a machine that has changed since), so every budget
+    is timed again and that replaces the entry; once only: should a later sample disagree too, the machine is
+    noisier than its chunks show, and samples join whatever they say, for the median to decide."""
     path = cache_dir() / "costs.json"
     key = _key(model, drafter, acceptance, lookup, batch)
     if (str(path), key) in _measured:
         return _measured[str(path), key]
-    stored = _valid_entry(_read_table(path).get(key))
-    if stored is not None and set(stored["round_s"]) <= set(acceptance):
-        _measured[str(path), key] = stored
-        return stored
+    entry = _usable(_read_table(path).get(key), acceptance)
+    if entry is None or len(entry["samples"]) < COST_SAMPLES:
+        entry = _time(model, drafter, acceptance, lookup, batch, path, key, entry)
+    _measured[str(path), key] = c = _median_costs(entry)
+    return c
+
+
+def _time(model, drafter, acceptance, lookup, batch, path, key, entry) -> dict:
+    """costs' timing: `entry` (None: none stored) with this process's sample, as written to `path` (or, where it
+    cannot be written, as this process keeps it)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         writable = os.access(path.parent, os.W_OK)
     except OSError:
         writable = False
-    _log.warning("jaxspec: timing speculative rounds at budgets %s%s for budget='auto' (%s)", sorted(acceptance),
-                 f" and batch {batch}" if batch > 1 else "", f"once per machine; kept in {path}" if writable
-                 else f"{path.parent} cannot be written: kept for this process only, timed again by the next")
-    c = measure_costs(model, drafter, acceptance, lookup, reps=COST_REPS, batch=batch)
-    _measured[str(path), key] = c
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    entry = dict(ar_step_s=c["ar_step_s"], round_s={str(b): s for b, s in c["round_s"].items()},
-                 format=COST_FORMAT, reps=COST_REPS, measured=now)
-    try:
-        _write_table(path, key, entry)
+    kept = (f"kept in {path}" if writable
+            else f"{path.parent} cannot be written: kept for this process only, timed again by the next")
+    at = f" and batch {batch}" if batch > 1 else ""
+
+    def sample(budgets) -> dict:
+        c = measure_costs(model, drafter, {b: acceptance[b] for b in budgets}, lookup, reps=COST_REPS, batch=batch)
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        return dict(ar_step_s=c["ar_step_s"], round_s=c["round_s"], spread=c["spread"], reps=COST_REPS, measured=now)
+
+    if entry is None:
+        _log.warning("jaxspec: timing speculative rounds at budgets %s%s for budget='auto' (run 1 of the %d that "
+                     "time them; %s)", sorted(acceptance), at, COST_SAMPLES, kept)
+        fresh = sample(acceptance)
+        join = lambda cur: dict(samples=[fresh], retimed=False) if cur is None else _joined(cur, fresh)  # noqa: E731
+    else:
+        budgets = _contenders(acceptance, entry)
+        _log.warning("jaxspec: timing speculative rounds at budgets %s%s again for budget='auto' (run %d of the %d "
+                     "that time them; %s)", budgets, at, len(entry["samples"]) + 1, COST_SAMPLES, kept)
+        fresh = sample(budgets)
+        if _agrees(entry, fresh) or entry["retimed"]:
+            join = lambda cur: _joined(cur or entry, fresh)  # noqa: E731
+        else:
+            _log.warning("jaxspec: these timings disagree with the ones kept by more than their noise; timing every "
+                         "budget again")
+            new = dict(samples=[sample(acceptance)], retimed=True)
+            join = lambda cur: new  # noqa: E731
+    try:  # joined with what is stored when the lock is held: a concurrent run may have added a sample
+        return _write_table(path, key, lambda stored: join(_usable(stored, acceptance)))
     except OSError as e:
         if writable:  # said "kept in" above
             _log.warning("jaxspec: could not save the budget costs to %s (%s); kept for this process only", path, e)
-    return c
+        return join(entry)
 
 
 def best_budget(acceptance: dict[int, float], ar_step_s: float, round_s: dict[int, float]) -> tuple[int, dict]:

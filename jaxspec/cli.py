@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -49,14 +50,16 @@ def default_drafter(model_path: str) -> str | None:
     return None
 
 
-class _ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of argparse's usage block
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors (UsageError) instead of its usage block and exit."""
+
+    def error(self, message):
         raise UsageError(message)
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _ArgumentParser(prog="python -m jaxspec.generate",
-                        description="Generate text with AR, DFlash or DDTree decoding.")
+    p = ArgumentParser(prog="python -m jaxspec.generate",
+                       description="Generate text with AR, DFlash or DDTree decoding.")
     p.add_argument("--model", metavar="PATH",
                    help="HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     src = p.add_mutually_exclusive_group()
@@ -79,7 +82,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", metavar="DIR", help="DFlash drafter directory (z-lab layout)")
     p.add_argument("--method", choices=("auto",) + api.METHODS, default="auto",
                    help="auto = ddtree with a drafter, else ar")
-    p.add_argument("--budget", type=_budget, metavar="N|auto",
+    p.add_argument("--budget", type=budget_arg, metavar="N|auto",
                    help="DDTree node budget; auto (the default) picks the fastest from the drafter's measured "
                         "acceptance and this machine's verify cost")
     p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=True,
@@ -88,7 +91,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _budget(text: str):
+def budget_arg(text: str):
     if text == "auto":
         return text
     try:
@@ -117,6 +120,10 @@ def read_prompt(args) -> str:
 
 def check_args(args, drafter_path: str | None) -> None:
     """Reject bad numbers and a missing drafter before the (slow) model load."""
+    if not math.isfinite(args.temperature):  # argparse's float() reads "nan" and "inf"; nan samples garbage
+        raise UsageError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if not -2**63 <= args.seed < 2**63:  # JAX's keys take a 64-bit seed
+        raise UsageError(f"--seed must be a 64-bit integer, in [-2**63, 2**63), got {args.seed}")
     SamplingParams(args.temperature, args.top_k, args.top_p)
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")

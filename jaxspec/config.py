@@ -23,14 +23,36 @@ class ConfigError(ValueError):
 
 
 def read_config_json(path: Path) -> dict:
-    """A config.json -> its dict, with a one-line ConfigError when it is missing or not JSON."""
+    """A config.json -> its dict, with a one-line ConfigError when it is missing, not JSON or not an object."""
     if not path.is_file():
         raise ConfigError(f"{path} not found; pass a Hugging Face model directory (config.json + safetensors) "
                           "or a .gguf file")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        d = json.loads(path.read_text())
+    except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8 (both ValueErrors), absurd nesting
         raise ConfigError(f"{path} is not valid JSON ({e}); re-download or re-export the model") from e
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path} holds a JSON {type(d).__name__}, not an object; re-download or re-export the model")
+    return d
+
+
+MAX_SIZE = 2**31 - 1  # XLA indexes arrays with int32: no dimension of a model that runs is larger
+MAX_HEAD_DIM = 2**16  # wider than any model's heads (256-512 at most); each layer holds a RoPE table of half of it
+
+
+def check_values(what: str, sizes: dict | None = None, positive: dict | None = None) -> None:
+    """ConfigError naming the first of `sizes` that is not a positive integer up to MAX_SIZE, or of `positive`
+    that is not a positive finite number (eps, RoPE theta and factor). transformers checks a field's type, not
+    its value: a zero or negative size builds a module that fails far from config.json, and a negative theta or
+    a NaN eps loads a model that only ever generates noise."""
+    for name, v in (sizes or {}).items():
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SIZE:
+            raise ConfigError(f"{what} is invalid: {name} is {v!r}, not a positive integer (up to {MAX_SIZE}); "
+                              "re-download the model or correct the value")
+    for name, v in (positive or {}).items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            raise ConfigError(f"{what} is invalid: {name} is {v!r}, not a positive finite number; re-download the "
+                              "model or correct the value")
 
 
 class TargetConfig(Protocol):
@@ -103,12 +125,18 @@ class DenseConfig:
 
 
 def _rope(params: dict | None) -> RopeConfig:
+    if not isinstance(params, (dict, type(None))):
+        raise ConfigError(f"the RoPE parameters of config.json are {params!r}, not an object; re-download the model")
     params = dict(params or {})
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type not in ("default", "linear", "llama3"):
         raise ConfigError(
             f"unsupported rope_type {rope_type!r}; jaxspec supports default, linear and llama3 for dense models"
         )
+    scales = {k: params[k] for k in ("rope_theta", "low_freq_factor", "high_freq_factor") if params.get(k) is not None}
+    if params.get("factor"):  # 0 or null: no scaling, as below
+        scales["factor"] = params["factor"]
+    check_values("the RoPE parameters of config.json", positive=scales)
     return RopeConfig(
         theta=float(params.get("rope_theta", 10000.0)),
         rope_type=rope_type,
@@ -153,8 +181,21 @@ def dense_config_from_dict(d: dict) -> DenseConfig:
         raise ConfigError(f"config.json for {model_type} is invalid: {e}") from e
 
     H, nH = hf.hidden_size, hf.num_attention_heads
+    what = f"config.json for {model_type}"
+    check_values(what, dict(hidden_size=H, num_attention_heads=nH))
     head_dim = getattr(hf, "head_dim", None) or H // nH
     L = hf.num_hidden_layers
+    n_kv = getattr(hf, "num_key_value_heads", None) or nH
+    check_values(what, dict(vocab_size=hf.vocab_size, intermediate_size=hf.intermediate_size, num_hidden_layers=L,
+                            num_key_value_heads=n_kv, head_dim=head_dim,
+                            max_position_embeddings=hf.max_position_embeddings),
+                 dict(rms_norm_eps=hf.rms_norm_eps))
+    if head_dim > MAX_HEAD_DIM:
+        raise ConfigError(f"{what} is invalid: head_dim {head_dim} is over {MAX_HEAD_DIM}; re-download the model or "
+                          "correct the value")
+    if nH % n_kv:
+        raise ConfigError(f"{what} is invalid: num_attention_heads {nH} is not a multiple of num_key_value_heads "
+                          f"{n_kv}; re-download the model or correct the value")
     layer_types = tuple(getattr(hf, "layer_types", None) or ["full_attention"] * L)
     rp = getattr(hf, "rope_parameters", None) or {}
     if "full_attention" in rp or "sliding_attention" in rp:
@@ -169,6 +210,8 @@ def dense_config_from_dict(d: dict) -> DenseConfig:
         rope_local = dataclasses.replace(rope_local, freq_factors=freq_factors)
     gemma = model_type == "gemma3_text"
     sliding = getattr(hf, "sliding_window", None) if "sliding_attention" in layer_types else None
+    if sliding is not None:
+        check_values(what, dict(sliding_window=sliding))
     act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
     act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(act)
     if act is None:
@@ -185,7 +228,7 @@ def dense_config_from_dict(d: dict) -> DenseConfig:
         intermediate_size=hf.intermediate_size,
         num_layers=L,
         num_heads=nH,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or nH,
+        num_kv_heads=n_kv,
         head_dim=head_dim,
         rms_norm_eps=float(hf.rms_norm_eps),
         max_position_embeddings=int(hf.max_position_embeddings),
@@ -280,7 +323,32 @@ class DrafterConfig:
 
 
 def drafter_config_from_dict(d: dict) -> DrafterConfig:
-    """Parse a DFlash drafter config.json (z-lab layout)."""
+    """Parse a DFlash drafter config.json (z-lab layout); ConfigError for any field that is missing or cannot be
+    read as what it holds."""
+    if not isinstance(d, dict) or not isinstance(d.get("dflash_config") or {}, dict):
+        raise ConfigError("a drafter config.json must be a JSON object with a dflash_config object (z-lab layout); "
+                          "re-export the drafter")
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "vocab_size", "block_size", "num_target_layers", "max_position_embeddings",
+                "draft_vocab_size"):
+        v = d.get(key)  # int() would take 1.5, "64" and true as well
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ConfigError(f"drafter config.json is invalid: {key} is {v!r}, not an integer; re-export the drafter")
+    try:
+        cfg = _drafter_config(d)
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        why = f"lacks {e}" if isinstance(e, KeyError) else f"has a field of the wrong type ({e})"
+        raise ConfigError(f"drafter config.json {why}; re-export the drafter") from e
+    check_values("drafter config.json", dict(  # hidden_size, num_attention_heads and num_hidden_layers: above
+        intermediate_size=cfg.intermediate_size, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        vocab_size=cfg.vocab_size, block_size=cfg.block_size, max_position_embeddings=cfg.max_position_embeddings),
+        dict(rms_norm_eps=cfg.rms_norm_eps))
+    return cfg
+
+
+def _drafter_config(d: dict) -> DrafterConfig:
     dflash = d.get("dflash_config") or {}
     missing = [k for k in ("block_size",) if k not in d] + [k for k in ("mask_token_id",) if k not in dflash]
     if missing:
@@ -290,6 +358,8 @@ def drafter_config_from_dict(d: dict) -> DrafterConfig:
         )
     H, nH = int(d["hidden_size"]), int(d["num_attention_heads"])
     L = int(d["num_hidden_layers"])
+    # before H // nH and a list of L layer types
+    check_values("drafter config.json", dict(hidden_size=H, num_attention_heads=nH, num_hidden_layers=L))
     n_target = int(d.get("num_target_layers", 0))
     taps = dflash.get("target_layer_ids")
     if taps is None:

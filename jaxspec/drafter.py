@@ -18,7 +18,14 @@ import numpy as np
 from flax import nnx
 
 from jaxspec.checkpoint import DFLASH_ZLAB_RULES, WeightsError, load_params, read_safetensors, safetensors_files
-from jaxspec.config import ConfigError, DrafterConfig, default_target_layer_ids, drafter_config_from_dict
+from jaxspec.checkpoint.safetensors import check_depth
+from jaxspec.config import (
+    ConfigError,
+    DrafterConfig,
+    default_target_layer_ids,
+    drafter_config_from_dict,
+    read_config_json,
+)
 from jaxspec.kernels import plain, prepare, resolve
 from jaxspec.model import Model, StaticDef
 from jaxspec.models.dflash import DFlashDrafter
@@ -179,14 +186,12 @@ def load_drafter(path, model: Model) -> Drafter:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"drafter {path} has no config.json; pass a DFlash drafter directory")
-    try:
-        d = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{cfg_file} is not valid JSON ({e})") from e
+    d = read_config_json(cfg_file)  # a ConfigError for bad JSON, bad UTF-8 or no object
     cfg = drafter_config_from_dict(d)
     if d.get("draft_vocab_size"):
         cfg = dataclasses.replace(cfg, draft_vocab=_read_draft_vocab(path, int(d["draft_vocab_size"])))
     check_fits(cfg, model)
+    check_depth(cfg.num_layers, path)  # before the module is built, a layer at a time
     dt = model.dtype
     module = load_params(lambda: DFlashDrafter(cfg, dtype=dt, rngs=nnx.Rngs(0)), read_safetensors(path),
                          DFLASH_ZLAB_RULES, what="drafter checkpoint")

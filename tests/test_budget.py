@@ -68,6 +68,7 @@ def test_read_acceptance_edges(tmp_path):
 
 def test_auto_measures_once_and_stays_lossless(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(budget_mod, "COST_SAMPLES", 1)  # an entry settled by one run (the sampling: tests below)
     m = tiny_target("qwen3")
     d = jaxspec.init_drafter(m, num_layers=1, block_size=8, seed=3)
     want = jaxspec.generate(m, input_ids=PROMPT, method="ar", max_new_tokens=24).token_ids
@@ -83,9 +84,10 @@ def test_auto_measures_once_and_stays_lossless(tmp_path, monkeypatch):
     assert res.stats["budget_source"] == "auto" and res.stats["budget"] in (2, 6)
     assert "2" in res.stats["predicted_speedup"] and set(res.stats["predicted_speedup"]) <= {"2", "6"}
     assert res.token_ids == want
-    (c,) = json.loads((tmp_path / "cache" / "costs.json").read_text()).values()
-    assert set(c["round_s"]) == set(res.stats["predicted_speedup"]) and c["ar_step_s"] > 0
-    assert min(c["round_s"].values()) > 0
+    (e,) = json.loads((tmp_path / "cache" / "costs.json").read_text()).values()
+    (c,) = e["samples"]
+    assert set(c["round_s"]) == set(res.stats["predicted_speedup"]) == set(c["spread"]) and c["ar_step_s"] > 0
+    assert min(c["round_s"].values()) > 0 and min(c["spread"].values()) >= 0
 
     monkeypatch.setattr(budget_mod, "measure_costs", lambda *a, **k: pytest.fail("costs were not read from the cache"))
     monkeypatch.setattr(budget_mod, "_measured", {}, raising=False)  # as a new process: from the file
@@ -107,7 +109,7 @@ def test_auto_measures_once_and_stays_lossless(tmp_path, monkeypatch):
 
 def test_auto_times_at_the_batch_size(fake_timing, monkeypatch):
     """A batch's budget comes from costs timed at its size rounded up to a power of two, kept under its own key."""
-    m, d, path, calls = fake_timing
+    m, d, path = fake_timing.model, fake_timing.drafter, fake_timing.path
     seen, fake = [], budget_mod.measure_costs
     monkeypatch.setattr(budget_mod, "measure_costs", lambda *a, batch=1, **k: seen.append(batch) or fake(*a, **k))
     d = dataclasses.replace(d, acceptance=TABLE)
@@ -144,7 +146,8 @@ def test_costs_wait_for_the_loops(monkeypatch):
 
     monkeypatch.setattr(jax, "block_until_ready", waited)
     monkeypatch.setattr(Decoder, "decode", decoded)
-    budget_mod.measure_costs(m, d, {2: 1.5, 4: 1.7}, reps=2, batch=8)
+    c = budget_mod.measure_costs(m, d, {2: 1.5, 4: 1.7}, reps=2, batch=8)
+    assert set(c["spread"]) == set(c["round_s"]) and all(0 <= x < 1 for x in c["spread"].values())
     calls = [i for i, e in enumerate(events) if e != "wait"]
     assert calls and all(events[i][1] for i in calls)  # one buffer for every run
     assert all(i + 1 < len(events) and events[i + 1] == "wait" for i in calls)  # each call waited for
@@ -177,118 +180,237 @@ def test_costs_are_timed_after_text(monkeypatch):
 
 
 TABLE = {2: 1.5, 6: 1.9}
-FAKE = dict(ar_step_s=0.01, round_s={2: 0.012, 6: 0.02})
+
+
+def timing(r2=1.2, r6=2.0, ar=0.01, spread=0.01):
+    """One process's timing as measure_costs returns it: rounds of r2 and r6 AR steps at budgets 2 and 6."""
+    return dict(ar_step_s=ar, round_s={2: r2 * ar, 6: r6 * ar}, spread={2: spread, 6: spread})
+
+
+FAKE = timing()
+
+
+@dataclasses.dataclass
+class Fake:
+    """A fresh process's view of a cache in tmp_path, with measure_costs replaced: each call pops the next of
+    `timings` (FAKE once they run out), restricted to the budgets asked, and records those budgets in `calls`."""
+    model: object
+    drafter: object
+    path: object
+    calls: list
+    timings: list
+
+    def costs(self):
+        return budget_mod.costs(self.model, self.drafter, TABLE)
+
+    def choose(self):
+        return budget_mod.choose(self.model, dataclasses.replace(self.drafter, acceptance=TABLE))[0]
+
+    def new_process(self):
+        budget_mod._measured.clear()
+
+    def entry(self):
+        return json.loads(self.path.read_text())[budget_mod._key(self.model, self.drafter, TABLE, True)]
 
 
 @pytest.fixture
 def fake_timing(tmp_path, monkeypatch):
-    """A cache in tmp_path, a fresh process's memory, and measure_costs replaced by a counter returning FAKE:
-    (model, drafter, costs.json path, calls)."""
     monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(budget_mod, "_measured", {}, raising=False)
-    calls = []
-
-    def fake(*args, **kwargs):
-        calls.append(1)
-        return dict(ar_step_s=FAKE["ar_step_s"], round_s=dict(FAKE["round_s"]))
-
-    monkeypatch.setattr(budget_mod, "measure_costs", fake)
     m = tiny_target("qwen3")
-    return m, jaxspec.init_drafter(m, num_layers=1, block_size=8, seed=3), tmp_path / "cache" / "costs.json", calls
+    fake = Fake(m, jaxspec.init_drafter(m, num_layers=1, block_size=8, seed=3), tmp_path / "cache" / "costs.json",
+                [], [])
+
+    def measure(model, drafter, acceptance, *args, **kwargs):
+        fake.calls.append(sorted(acceptance))
+        t = fake.timings.pop(0) if fake.timings else FAKE
+        return {k: v if k == "ar_step_s" else {b: v[b] for b in acceptance} for k, v in t.items()}
+
+    monkeypatch.setattr(budget_mod, "measure_costs", measure)
+    return fake
+
+
+def same(got, want):
+    """costs' result equals measure_costs' (up to the rounding of a round's conversion to AR steps and back)."""
+    return got["ar_step_s"] == pytest.approx(want["ar_step_s"]) and got["round_s"] == pytest.approx(want["round_s"])
 
 
 def stored(path, key):
     entry = json.loads(path.read_text())[key]
-    assert entry["format"] == budget_mod.COST_FORMAT and entry["reps"] >= 2 and entry["measured"]
+    assert entry["format"] == budget_mod.COST_FORMAT and entry["samples"]
+    assert all(s["reps"] >= 2 and s["measured"] for s in entry["samples"])
     return entry
 
 
 @pytest.mark.parametrize("text", ["null", "3", "[]", "[1, 2]", '"costs"', "true", "{not json", "bad utf-8"])
-def test_bad_cost_file_reads_as_empty(fake_timing, monkeypatch, text, caplog):
+def test_bad_cost_file_reads_as_empty(fake_timing, text, caplog):
     """A costs.json that is no JSON object is noticed, re-timed and rewritten, never a traceback."""
-    m, d, path, calls = fake_timing
-    path.parent.mkdir(parents=True, exist_ok=True)
+    f = fake_timing
+    f.path.parent.mkdir(parents=True, exist_ok=True)
     if text == "bad utf-8":
-        path.write_bytes(b"\xff\xfe{")
+        f.path.write_bytes(b"\xff\xfe{")
     else:
-        path.write_text(text)
-    key = budget_mod._key(m, d, TABLE, True)
+        f.path.write_text(text)
+    key = budget_mod._key(f.model, f.drafter, TABLE, True)
     with caplog.at_level(logging.WARNING, "jaxspec.budget"):
-        assert budget_mod.costs(m, d, TABLE) == FAKE
-    assert calls == [1] and "ignoring the budget cost table" in caplog.text
-    assert stored(path, key)["round_s"] == {"2": 0.012, "6": 0.02}
+        assert same(f.costs(), FAKE)
+    assert f.calls == [[2, 6]] and "ignoring the budget cost table" in caplog.text
+    (s,) = stored(f.path, key)["samples"]
+    assert s["round_s"] == {"2": 0.012, "6": 0.02} and s["spread"] == {"2": 0.01, "6": 0.01}
 
 
-def entry(**kw):
-    return {"ar_step_s": 0.01, "round_s": {"2": 0.012, "6": 0.02}, "format": budget_mod.COST_FORMAT, "reps": 4,
+def sample(**kw):
+    return {"ar_step_s": 0.01, "round_s": {"2": 0.012, "6": 0.02}, "spread": {"2": 0.01, "6": 0.01}, "reps": 4,
             "measured": "2026-12-06T00:00:00+00:00", **kw}
 
 
-BAD_ENTRIES = [None, 3, [], "x", {}, {"round_s": {"2": 0.01}, "format": budget_mod.COST_FORMAT},
-               entry(ar_step_s=0), entry(ar_step_s=-0.01), entry(ar_step_s=math.nan), entry(ar_step_s=math.inf),
-               entry(ar_step_s="0.01"), entry(ar_step_s=True), entry(round_s={}), entry(round_s=[0.01]),
-               entry(round_s={"2": 0}), entry(round_s={"2": -1.0}), entry(round_s={"2": math.nan}),
-               entry(round_s={"2": 1e-9, "6": 0.02}), entry(round_s={"x": 0.02}), entry(round_s={"2": None}),
-               entry(round_s={"64": 0.02}), entry(format=budget_mod.COST_FORMAT - 1), entry(format=None)]
+def entry(*samples, **kw):
+    return {"format": budget_mod.COST_FORMAT, "retimed": False, "samples": list(samples) or [sample()], **kw}
+
+
+BAD_ENTRIES = [None, 3, [], "x", {}, entry(format=budget_mod.COST_FORMAT - 1), entry(format=None),
+               {"ar_step_s": 0.01, "round_s": {"2": 0.012}, "format": budget_mod.COST_FORMAT},  # format 5's layout
+               entry(samples=[]), entry(samples=None), entry(samples=sample()), entry(samples=[None]),
+               entry(sample(ar_step_s=0)), entry(sample(ar_step_s=-0.01)), entry(sample(ar_step_s=math.nan)),
+               entry(sample(ar_step_s=math.inf)), entry(sample(ar_step_s="0.01")), entry(sample(ar_step_s=True)),
+               entry(sample(round_s={})), entry(sample(round_s=[0.01])), entry(sample(round_s={"2": 0})),
+               entry(sample(round_s={"2": -1.0})), entry(sample(round_s={"2": math.nan})),
+               entry(sample(round_s={"2": 1e-9, "6": 0.02})), entry(sample(round_s={"x": 0.02})),
+               entry(sample(round_s={"2": None})), entry(sample(spread=None)), entry(sample(spread={"2": 0.01})),
+               entry(sample(spread={"2": -0.1, "6": 0.01})), entry(sample(spread={"2": math.nan, "6": 0.01})),
+               entry(sample(spread={"2": math.inf, "6": 0.01})), entry(sample(spread={"2": True, "6": 0.01})),
+               entry(sample(spread={"2": "0.01", "6": 0.01})), entry(sample(), sample(round_s={"2": None})),
+               entry(sample(round_s={"64": 0.02}, spread={"64": 0.01}))]
 
 
 @pytest.mark.parametrize("bad", BAD_ENTRIES)
 def test_bad_cost_entry_is_retimed(fake_timing, bad):
-    """A missing field, a non-number, zero, negative, non-finite or implausibly small seconds, an empty round table,
-    a budget outside the acceptance table or an entry of an older format: absent, so timed again and replaced."""
-    m, d, path, calls = fake_timing
-    key = budget_mod._key(m, d, TABLE, True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({key: bad, "other": entry(round_s={"2": 0.03})}))
-    assert budget_mod.costs(m, d, TABLE) == FAKE and calls == [1]
-    assert budget_mod.choose(m, dataclasses.replace(d, acceptance=TABLE))[0] in TABLE
-    assert stored(path, key)["round_s"] == {"2": 0.012, "6": 0.02}
-    assert "other" in json.loads(path.read_text())  # another key's good entry is kept
+    """A missing field, a non-number, zero, negative, non-finite or implausibly small seconds, a bad spread, an
+    empty round table, a budget outside the acceptance table, an entry of an older format, one bad sample among
+    good ones: absent, so timed again (every budget) and replaced."""
+    f = fake_timing
+    key = budget_mod._key(f.model, f.drafter, TABLE, True)
+    f.path.parent.mkdir(parents=True, exist_ok=True)
+    f.path.write_text(json.dumps({key: bad, "other": entry(sample(round_s={"2": 0.03}, spread={"2": 0.0}))}))
+    assert same(f.costs(), FAKE) and f.calls == [[2, 6]]
+    assert f.choose() in TABLE
+    (s,) = stored(f.path, key)["samples"]
+    assert s["round_s"] == {"2": 0.012, "6": 0.02}
+    assert "other" in json.loads(f.path.read_text())  # another key's good entry is kept
 
 
 @pytest.mark.parametrize("rounds", [{"2": 0.05, "6": 0.02}, {"2": 0.003, "6": 0.004}])
 def test_good_cost_entry_is_used(fake_timing, rounds):
     """Entries as measured are read back, rounds cheaper than an AR step included (a tiny target's small tree
-    can time so; CI saw a budget-2 round under half an AR step)."""
-    m, d, path, calls = fake_timing
-    key = budget_mod._key(m, d, TABLE, True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({key: entry(round_s=rounds)}))
-    want = {int(b): s for b, s in rounds.items()}
-    assert budget_mod.costs(m, d, TABLE) == dict(ar_step_s=0.01, round_s=want) and calls == []
+    can time so; CI saw a budget-2 round under half an AR step); one of COST_SAMPLES samples is not timed again."""
+    f = fake_timing
+    key = budget_mod._key(f.model, f.drafter, TABLE, True)
+    f.path.parent.mkdir(parents=True, exist_ok=True)
+    f.path.write_text(json.dumps({key: entry(*[sample(round_s=rounds)] * budget_mod.COST_SAMPLES)}))
+    want = dict(ar_step_s=0.01, round_s={int(b): s for b, s in rounds.items()})
+    assert same(f.costs(), want) and f.calls == []
+
+
+def test_noisy_first_timing_is_outvoted(fake_timing):
+    """Two identical first runs once chose budgets 8 and 4 from one timing each. The first run's timing is one
+    sample; the next runs time the budgets within the noise of the best again, each adding a sample, and the
+    median decides: a first timing that put budget 6 4% low (within the noise, so no re-time) is outvoted.
+    Once COST_SAMPLES runs have timed, no run times again."""
+    f = fake_timing
+    f.timings += [timing(r6=1.50), timing(r6=1.56), timing(r6=1.56)]  # rates 1.5 / 1.2 = 1.25 against 1.9 / r6
+    assert f.choose() == 6 and f.calls == [[2, 6]]  # 1.9 / 1.50 = 1.27: the noisy first timing alone says 6
+    for run in range(2, budget_mod.COST_SAMPLES + 1):
+        f.new_process()
+        assert f.choose() == 2  # 1.9 / 1.53 (the median of 1.50 and 1.56), then 1.9 / 1.56: below 1.25
+        assert f.calls[-1] == [2, 6] and len(f.calls) == run  # one timing of the two contenders, no re-time
+    e = f.entry()
+    assert len(e["samples"]) == budget_mod.COST_SAMPLES and e["retimed"] is False
+    for _ in range(2):
+        f.new_process()
+        assert f.choose() == 2 and len(f.calls) == budget_mod.COST_SAMPLES  # settled: read, not timed
+
+
+def test_later_runs_time_only_the_contenders(fake_timing):
+    """A run after the first times only the budgets whose rate comes within the noise of the best one's; a whole
+    machine running slower (a longer AR step, rounds as many AR steps as before) agrees with the stored timing."""
+    f = fake_timing
+    f.timings += [timing(r2=1.2, r6=2.0), timing(r2=1.23, ar=0.02, spread=0.03)]
+    f.costs()  # budget 6: 1.9 / 2.0 = 0.95 tokens per AR step, far below budget 2's 1.25
+    f.new_process()
+    assert same(f.costs(), dict(ar_step_s=0.015, round_s={2: 0.015 * 1.215, 6: 0.015 * 2.0}))
+    assert f.calls == [[2, 6], [2]]
+    second = f.entry()["samples"][1]
+    assert set(second["round_s"]) == {"2"} and second["spread"] == {"2": 0.03}
+
+
+def test_disagreeing_timing_retimes_once(fake_timing, caplog):
+    """A run whose timing lies outside the stored ones by more than the noise re-times every budget, and that
+    replaces the entry; a later disagreement joins the samples (a machine noisier than its chunks show: the
+    median decides), so a noisy machine is not re-timed on every run."""
+    f = fake_timing
+    f.timings += [timing(r6=1.5), timing(r6=1.8), timing(r6=1.62, spread=0.02)]
+    f.costs()
+    f.new_process()
+    with caplog.at_level(logging.WARNING, "jaxspec.budget"):
+        assert same(f.costs(), timing(r6=1.62))  # the re-time's
+    assert f.calls == [[2, 6], [2, 6], [2, 6]]  # first run; contenders, 20% off budget 6's 1.5; every budget
+    assert "disagree" in caplog.text
+    e = f.entry()
+    assert e["retimed"] is True and [s["round_s"]["6"] for s in e["samples"]] == [pytest.approx(0.0162)]
+    f.timings += [timing(r6=1.2)]  # disagrees again: joins
+    f.new_process()
+    f.costs()
+    assert len(f.calls) == 4
+    assert [s["round_s"].get("6") for s in f.entry()["samples"]] == [pytest.approx(0.0162), pytest.approx(0.012)]
+
+
+def test_agreeing_timing_is_not_retimed(fake_timing, caplog):
+    """Within the noise (the larger of COST_NOISE and the chunks' spread) a timing joins without a re-time."""
+    f = fake_timing
+    f.timings += [timing(r6=1.5, spread=0.1), timing(r6=1.64, spread=0.01)]  # 9% off, within the first's 10%
+    f.costs()
+    f.new_process()
+    with caplog.at_level(logging.WARNING, "jaxspec.budget"):
+        f.costs()
+    assert f.calls == [[2, 6], [2, 6]] and "disagree" not in caplog.text
+    assert len(f.entry()["samples"]) == 2
 
 
 def test_concurrent_first_runs_keep_each_others_keys(fake_timing, monkeypatch):
-    """Another process that writes its entry while this one times: both entries are in the file afterwards."""
-    m, d, path, calls = fake_timing
+    """Another process that writes its entries while this one times: its other key, and its sample of this key,
+    are both in the file afterwards beside this run's sample (no last writer wins)."""
+    f = fake_timing
+    key = budget_mod._key(f.model, f.drafter, TABLE, True)
     fake = budget_mod.measure_costs
 
     def racing(*args, **kwargs):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"theirs": entry()}))  # the other process's write, during our timing
+        f.path.parent.mkdir(parents=True, exist_ok=True)
+        theirs = entry(sample(round_s={"2": 0.013, "6": 0.02}))
+        f.path.write_text(json.dumps({"theirs": entry(), key: theirs}))  # the other process's write, during ours
         return fake(*args, **kwargs)
 
     monkeypatch.setattr(budget_mod, "measure_costs", racing)
-    budget_mod.costs(m, d, TABLE)
-    on_disk = json.loads(path.read_text())
-    assert set(on_disk) == {"theirs", budget_mod._key(m, d, TABLE, True)}
-    assert not [f for f in path.parent.iterdir() if f.name.endswith(".tmp")]  # no temporary file left
+    assert same(f.costs(), dict(ar_step_s=0.01, round_s={2: 0.0125, 6: 0.02}))  # the median of both runs
+    on_disk = json.loads(f.path.read_text())
+    assert set(on_disk) == {"theirs", key}
+    assert [s["round_s"]["2"] for s in on_disk[key]["samples"]] == [0.013, pytest.approx(0.012)]
+    assert not [p for p in f.path.parent.iterdir() if p.name.endswith(".tmp")]  # no temporary file left
 
 
 def test_unwritable_cache_times_once_per_process(fake_timing, tmp_path, monkeypatch, caplog):
-    m, d, _, calls = fake_timing
+    f = fake_timing
     (tmp_path / "a_file").write_text("")
     monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path / "a_file" / "cache"))  # cannot be created
     with caplog.at_level(logging.WARNING, "jaxspec.budget"):
-        assert budget_mod.costs(m, d, TABLE) == FAKE
-        assert budget_mod.costs(m, d, TABLE) == FAKE
-    assert calls == [1]
+        assert same(f.costs(), FAKE)
+        assert same(f.costs(), FAKE)
+    assert f.calls == [[2, 6]]
     assert "this process only" in caplog.text and "once per machine" not in caplog.text
 
 
 def test_cost_key_names_the_machine_and_version(fake_timing, monkeypatch):
     """Timings depend on the cores, XLA's flags and jaxspec's own code: a copied cache must not pass for local."""
-    m, d, _, _ = fake_timing
+    m, d = fake_timing.model, fake_timing.drafter
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     key = budget_mod._key(m, d, TABLE, True)
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")

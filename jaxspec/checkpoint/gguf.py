@@ -307,8 +307,20 @@ def _index(path: Path) -> _Index:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # the gguf package raises ValueError/struct errors/OSError for bad files
         raise WeightsError(f"cannot read GGUF file {path}: {e}; the file is corrupt or not GGUF") from e
-    index = _Index(gguf_config(reader), _field(reader, "general.architecture"),
+    try:
+        config = gguf_config(reader)
+    except WeightsError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError, AttributeError) as e:  # fields that
+        # are missing, of another type (a bit flipped in a key or a type tag) or of impossible values
+        raise WeightsError(f"cannot read GGUF file {path}: its metadata is missing or malformed ({type(e).__name__}: "
+                           f"{e}); the file is corrupt, re-download it") from e
+    index = _Index(config, _field(reader, "general.architecture"),
                    tuple(_Tensor(t.name, t.tensor_type, t.data) for t in reader.tensors))
+    blocks = 1 + max((int(m.group(1)) for t in index.tensors if (m := re.match(r"blk\.(\d+)\.", t.name))), default=-1)
+    if config["num_hidden_layers"] != blocks:  # before a module of (say) 2**31 layers is built, which would not end
+        raise WeightsError(f"cannot read GGUF file {path}: its metadata says {config['num_hidden_layers']} blocks but "
+                           f"its tensors fill {blocks}; the file is corrupt, re-download it")
     d = dict(config=index.config, arch=index.arch, tensors=[
         dict(name=t.name, type=int(r.tensor_type), dtype=r.data.dtype.str, shape=list(r.data.shape),
              offset=int(r.data_offset)) for t, r in zip(index.tensors, reader.tensors)])
@@ -352,23 +364,32 @@ def read_gguf(path: Path, *, native: bool = False) -> tuple[dict, Iterator[tuple
     cfg = index.config
     arch = GGUF_ARCHS[index.arch]
 
+    def read(t: _Tensor):
+        """One tensor as the loader takes it (float32, or a PackedTensor where `native` keeps its blocks)."""
+        if native and t.tensor_type.name in NATIVE_TYPES and len(t.data.shape) == 2:
+            packed = repack(np.asarray(t.data), t.tensor_type.name)
+            return packed.map(lambda a: arch.fix(t.name, a, cfg))  # row fixes move codes and scales alike
+        try:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise WeightsError(f"GGUF tensor {t.name} uses {t.tensor_type.name}, "
+                               "which gguf cannot dequantise") from e
+        return arch.fix(t.name, arr, cfg)
+
     def tensors():
         for t in index.tensors:
             hf = arch.hf_name(t.name)
             if hf is None:
                 continue
-            if native and t.tensor_type.name in NATIVE_TYPES and len(t.data.shape) == 2:
-                packed = repack(np.asarray(t.data), t.tensor_type.name)
-                yield hf, packed.map(lambda a: arch.fix(t.name, a, cfg))  # row fixes move codes and scales alike
-                del packed
-                continue
             try:
-                arr = gguf.quants.dequantize(t.data, t.tensor_type)
-            except NotImplementedError as e:
-                raise WeightsError(f"GGUF tensor {t.name} uses {t.tensor_type.name}, "
-                                   "which gguf cannot dequantise") from e
-            arr = arch.fix(t.name, arr, cfg)
+                arr = read(t)
+            except WeightsError:
+                raise
+            except (ValueError, TypeError, IndexError) as e:  # a shape that its type's blocks or the metadata's
+                # heads cannot divide: the file's metadata and tensors disagree
+                raise WeightsError(f"cannot read GGUF tensor {t.name} of {path} (shape {tuple(t.data.shape)}, "
+                                   f"{t.tensor_type.name}): {e}; the file is corrupt, re-download it") from e
             yield hf, arr
-            del arr  # before the next tensor is dequantised: one tensor alive at a time
+            del arr  # before the next tensor is read: one tensor alive at a time
 
     return cfg, tensors()
