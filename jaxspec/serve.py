@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import signal
 import sys
 import time
@@ -26,7 +27,7 @@ from typing import Annotated, Any, Literal
 import jaxspec
 from jaxspec import api, budget
 from jaxspec.checkpoint import WeightsError
-from jaxspec.cli import BUNDLED_GGUF, UsageError, _ArgumentParser, _budget, bundled_model, default_drafter
+from jaxspec.cli import BUNDLED_GGUF, ArgumentParser, UsageError, budget_arg, bundled_model, default_drafter
 from jaxspec.config import ConfigError
 from jaxspec.decoder import Decoder
 from jaxspec.drafter import check_fits
@@ -350,8 +351,8 @@ def make_request(body: Sampling, ids: list[int], ctx: int, default_max: int | No
     if len(ids) + max_tokens > ctx:
         raise APIError(400, f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the served context of "
                             f"{ctx} tokens; lower max_tokens", "max_tokens")
-    if not body.temperature >= 0:
-        raise APIError(400, f"temperature must be >= 0, got {body.temperature}", "temperature")
+    if not 0 <= body.temperature < math.inf:
+        raise APIError(400, f"temperature must be a finite number >= 0, got {body.temperature}", "temperature")
     if not 0 < body.top_p <= 1:
         raise APIError(400, f"top_p must be in (0, 1], got {body.top_p}", "top_p")
     if body.top_k < -1:
@@ -367,13 +368,13 @@ def make_request(body: Sampling, ids: list[int], ctx: int, default_max: int | No
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _ArgumentParser(prog="python -m jaxspec.serve", description="An OpenAI-compatible server for jaxspec.")
+    p = ArgumentParser(prog="python -m jaxspec.serve", description="An OpenAI-compatible server for jaxspec.")
     p.add_argument("--model", metavar="PATH", help="HF directory or .gguf (default: the bundled SmolLM2-135M)")
     p.add_argument("--served-model-name", metavar="NAME", help="the model id clients send (default: from the path)")
     p.add_argument("--drafter", metavar="DIR", help="DFlash drafter directory (default: the bundled model's own)")
     p.add_argument("--method", choices=("auto", "ar", "dflash", "ddtree"), default="auto",
                    help="auto = ddtree with a drafter, else ar")
-    p.add_argument("--budget", type=_budget, metavar="N|auto", help="DDTree node budget (default: auto)")
+    p.add_argument("--budget", type=budget_arg, metavar="N|auto", help="DDTree node budget (default: auto)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=8, help="rows decoded together")

@@ -180,6 +180,7 @@ BAD = [  # (body or raw text, the field the error must name)
     ({"model": NAME, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"model": NAME, "prompt": "hi", "max_tokens": CTX}, "max_tokens"),
     ({"model": NAME, "prompt": "hi", "temperature": -0.5}, "temperature"),
+    ('{"model": "%s", "prompt": "hi", "temperature": Infinity}' % NAME, "temperature"),
     ({"model": NAME, "prompt": "hi", "top_p": 0}, "top_p"),
     ({"model": NAME, "prompt": "hi", "top_p": 1.5}, "top_p"),
     ({"model": NAME, "prompt": "hi", "top_k": -3}, "top_k"),
