@@ -16,9 +16,10 @@ from jax.sharding import Mesh
 from jaxspec.checkpoint import WeightsError, load_params, read_gguf, read_safetensors
 from jaxspec.checkpoint import gguf_tokenizer as gguf_tok
 from jaxspec.checkpoint.compressed_tensors import maybe_dequantize, packed_schemes
-from jaxspec.checkpoint.core import rule_target
+from jaxspec.checkpoint.core import rule_targets
 from jaxspec.checkpoint.gguf import native_schemes
 from jaxspec.checkpoint.orbax import is_converted, read_dtype, read_packing, restore_params
+from jaxspec.checkpoint.safetensors import check_depth
 from jaxspec.config import ConfigError, TargetConfig, read_config_json
 from jaxspec.kernels import plain, prepare, resolve, use
 from jaxspec.models import quant
@@ -220,6 +221,7 @@ def load(path, dtype="auto", *, mesh: Mesh | None = None, tokenizer: bool = True
         tok = _tokenizer(path) if tokenizer else None
     elif path.is_dir():
         cfg = load_config(path)  # config.json with generation_config.json's EOS ids
+        check_depth(cfg.num_layers, path)  # before the module is built, a layer at a time
         layout = _layout(cfg, mesh)
         _, tensors, stored = read_source(path, quantize)
         module = _build(cfg, tensors, dt, layout, quantize, stored)
@@ -291,9 +293,8 @@ def module_builder(cfg: TargetConfig, dtype, quantize: str | None = None, native
     family = family_of(cfg.model_type)
     stored = {}
     for name, scheme in (native or {}).items():
-        target = rule_target(name, family.hf_rules)
-        if target is not None:  # an embedding table is [out, in] already; kernels and stacked experts are transposed
-            stored[target] = dataclasses.replace(scheme, transposed=target != "embed_tokens")
+        for target in rule_targets(name, family.hf_rules):  # an embedding table is [out, in] already; kernels
+            stored[target] = dataclasses.replace(scheme, transposed=target != "embed_tokens")  # are transposed
     if quantize in ("int8", "int4"):
         plans = lambda m: quant.linear_plan(m, quant.scheme_of(quantize)) | stored  # noqa: E731
     else:

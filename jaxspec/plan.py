@@ -6,7 +6,8 @@
 Nothing is allocated and no device is needed: the module is built abstractly (`nnx.eval_shape`) and its cache
 with `jax.eval_shape(init_cache)`; every parameter and cache buffer is divided by its shard count under the
 family's sharding rules on a `jax.sharding.AbstractMesh` of dp = 1 x tp (so tp = 8 plans on a CPU laptop). A
-dimension the rules leave replicated (2 KV heads on 8 devices, MLA latents) counts whole on every device.
+dimension the rules leave replicated (MLA latents) counts whole on every device; KV heads that tp does not
+divide count kv_heads / gcd(kv_heads, tp) each (sharding.py).
 
 Per device:
   * weights: each parameter's bytes / its shard count. Packed weights: a checkpoint's compressed-tensors INT4
@@ -48,7 +49,7 @@ from jaxspec.model import DTYPES
 from jaxspec.models import quant
 from jaxspec.models.registry import config_from_dict, family_of
 from jaxspec.models.registry import layout as registry_layout
-from jaxspec.sharding import MESH_AXES, Layout
+from jaxspec.sharding import MESH_AXES
 
 GIB = 1 << 30
 HEADROOM = 0.05  # of HBM, for XLA workspace and fragmentation
@@ -126,10 +127,10 @@ def plan(config: dict, *, tp: int = 8, budget: int = 64, max_len: int = 32768, b
         key = ".".join(str(p) for p in path)
         nbytes = (_packed_bytes(var.shape, schemes[key], var.dtype) if key in schemes
                   else _nbytes(var.shape, var.dtype))
-        weights += nbytes // _shards(layout, var.get_metadata()["out_sharding"], var.shape)
+        weights += nbytes // layout.shards(var.get_metadata()["out_sharding"], var.shape)
     cache = jax.eval_shape(lambda: module.init_cache(batch, max_len))
     specs = jax.tree.leaves(cache.logical_axes(), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-    cache_bytes = sum(_nbytes(x.shape, x.dtype) // _shards(layout, tuple(s), x.shape)
+    cache_bytes = sum(_nbytes(x.shape, x.dtype) // layout.shards(tuple(s), x.shape)
                       for s, x in zip(specs, jax.tree.leaves(cache), strict=True))
     return Plan(name, tp, budget, max_len, batch, weights, cache_bytes,
                 sum(verify_scratch(cfg, tp, budget, max_len, batch, np.dtype(DTYPES[dtype]).itemsize).values()),
@@ -198,11 +199,6 @@ def _packed_bytes(shape, scheme: quant.Scheme, dtype) -> int:
 
 def _nbytes(shape, dtype) -> int:
     return int(np.prod(shape)) * np.dtype(dtype).itemsize
-
-
-def _shards(layout: Layout, axes, shape) -> int:
-    """How many devices split an array (the product of the mesh axes its spec uses)."""
-    return int(np.prod([layout.mesh.shape[a] for a in layout.spec(tuple(axes), shape) if a is not None]))
 
 
 def table(plans: list[Plan]) -> str:

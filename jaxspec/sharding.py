@@ -8,10 +8,19 @@ Every parameter and cache buffer names a logical axis per dimension (models/laye
   * "dp" (data parallel): the batch of every cache buffer.
 
 A dimension stays replicated when its size, or its number of heads, does not divide by the mesh axis: a
-projection [embed, kv_heads * head_dim] is split between heads, never inside one, so a model with 4 KV heads
-on tp = 8 keeps K/V whole on every device (correct, only bigger, and no resharding between the projection
-and the cache). A mesh axis shards at most one dimension of an array (stacked experts [E, in, out] are split
-by expert, not also by ffn).
+projection [embed, kv_heads * head_dim] is split between heads, never inside one. A mesh axis shards at most
+one dimension of an array (stacked experts [E, in, out] are split by expert, not also by ffn).
+
+KV heads fewer than tp (Qwen3.6-27B: 4 KV heads, 24 query heads, on tp = 8): the layout names its arrays on
+a view of the mesh whose tp axis is split in two, tp_kv (g = gcd(kv_heads, tp) devices) major and tp_rep
+(tp / g) minor, with the same devices in the same order. Everything tp splits is split over both, exactly as
+over tp; K/V (projections and caches) only over tp_kv, so each device holds the KV heads its own query
+heads read (query block i of tp reads KV heads inside block i // (tp / g) of g) and attention, the write and
+the commit stay on the device. Replicated K/V instead were gathered whole: the partitioner split attention
+and the write across the devices, and pinning the written buffers back to replicated cost 4 all-gathers of
+an entire K or V buffer per attention layer and step (AR decode and verify alike; tests/test_sharding.py
+counts collectives). The bytes per device are those of vLLM's copying of each KV head to the tp / kv_heads
+devices that read it, with no change to the parameters or the cache.
 
 The MLA latent cache ([batch, seq, kv_lora_rank + rope dims]) is sharded by batch and replicated over tp:
 absorbed attention reads the whole latent row for every head, so splitting it by head is impossible and
@@ -23,15 +32,17 @@ caches sharded like the layers that write them; XLA's partitioner (GSPMD) insert
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("dp", "tp")
+TP_SPLIT = ("tp_kv", "tp_rep")  # tp as a layout's view splits it where KV heads are fewer than tp
 
 _COMMON = {"batch": "dp", "seq": None, "vocab": "tp", "embed": None, "q_heads": "tp", "kv_heads": "tp",
            "head_dim": None, "ffn": "tp", "tap_embed": None}
@@ -39,7 +50,7 @@ RULES: dict[str, Mapping[str, str | None]] = {
     "dense": _COMMON,
     "deepseek": {**_COMMON, "experts": "tp", "latent": None, "q_latent": None},
     "hybrid_gdn": {**_COMMON, "experts": "tp", "shared_gate": None, "gdn_heads": "tp", "gdn_key_heads": "tp",
-                   "gdn_key_dim": None, "gdn_value_dim": None, "conv_channels": "tp", "conv_kernel": None},
+                   "gdn_key_dim": None, "gdn_value_dim": None, "conv_kernel": None},
     # per_layer: Gemma 4's per-layer-input width (L * P packed, or P); small, so replicated
     "gemma4": {**_COMMON, "experts": "tp", "per_layer": None},
     "drafter": _COMMON,  # DFlash drafters: dense attention + MLP over the target's taps
@@ -64,33 +75,52 @@ def make_mesh(tp: int = 1, dp: int = 1, *, devices=None) -> Mesh:
 class Layout:
     """How one model's arrays lie on a mesh: the mesh and its family's rules (hashable: a static jit arg)."""
 
-    mesh: Mesh
+    mesh: Mesh  # as the caller made it (make_mesh): what the target and its drafter must share
     rules: tuple[tuple[str, str | None], ...]
-    heads: tuple[tuple[str, int], ...] = ()  # logical axis -> heads along it (a head is never split)
+    heads: tuple[tuple[str, int], ...]  # logical axis -> heads along it (a head is never split)
+    view: Mesh  # the mesh the shardings name: `mesh`, or its tp split in (tp_kv, tp_rep)
 
     @staticmethod
     def of(family: str, mesh: Mesh, heads: Mapping[str, int] | None = None) -> "Layout":
         """family: a RULES key; heads: e.g. {"q_heads": 32, "kv_heads": 8} (the family's `head_counts`)."""
         if family not in RULES:
             raise ValueError(f"no sharding rules for family {family!r}; add a table to jaxspec/sharding.py RULES")
-        return Layout(mesh, tuple(sorted(RULES[family].items())), tuple(sorted((heads or {}).items())))
+        heads = dict(heads or {})
+        dp, tp = mesh.shape["dp"], mesh.shape["tp"]
+        g = math.gcd(heads.get("kv_heads", tp), tp)
+        view = mesh if g in (1, tp) else _split_tp(mesh, dp, g, tp // g)  # g = 1: K/V replicated
+        return Layout(mesh, tuple(sorted(RULES[family].items())), tuple(sorted(heads.items())), view)
+
+    def _mesh_axes(self, axis: str, rule: str | None) -> tuple[str, ...]:
+        """The view's axes a logical axis with mesh rule `rule` splits over (major first)."""
+        if rule is None:
+            return ()
+        if rule == "tp" and "tp_kv" in self.view.shape:
+            return ("tp_kv",) if axis == "kv_heads" else TP_SPLIT
+        return (rule,)
 
     def spec(self, axes, shape) -> PartitionSpec:
-        """Logical axes (one per dimension) of an array of `shape` -> its mesh PartitionSpec."""
+        """Logical axes (one per dimension) of an array of `shape` -> its PartitionSpec on the view."""
         rules, heads, used, out = dict(self.rules), dict(self.heads), set(), []
         for axis, size in zip(axes, shape, strict=True):
             if axis not in rules:
                 raise ValueError(f"logical axis {axis!r} has no rule in this family's sharding table")
-            m = rules[axis]
-            if m is None or m in used or size % self.mesh.shape[m] or heads.get(axis, size) % self.mesh.shape[m]:
+            names = self._mesh_axes(axis, rules[axis])
+            n = math.prod(self.view.shape[a] for a in names)
+            if not names or used & set(names) or size % n or heads.get(axis, size) % n:
                 out.append(None)
             else:
-                used.add(m)
-                out.append(m)
+                used.update(names)
+                out.append(names[0] if len(names) == 1 else names)
         return PartitionSpec(*out)
 
+    def shards(self, axes, shape) -> int:
+        """How many pieces an array is split into (the product of the view's axes its spec uses)."""
+        spec = self.spec(axes, shape)
+        return math.prod(self.view.shape[a] for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e))
+
     def sharding(self, axes, shape) -> NamedSharding:
-        return NamedSharding(self.mesh, self.spec(axes, shape))
+        return NamedSharding(self.view, self.spec(axes, shape))
 
     def param_shardings(self, params) -> Any:
         """nnx.State of parameters (concrete or abstract) -> the same tree with a NamedSharding per variable."""
@@ -110,6 +140,15 @@ class Layout:
     def constrain(self, cache):
         """Pin a cache's buffers to their shardings inside jit."""
         return jax.lax.with_sharding_constraint(cache, self.cache_shardings(cache))
+
+
+def _split_tp(mesh, dp: int, kv: int, rep: int):
+    """`mesh` (dp, tp) as (dp, tp_kv, tp_rep): the same devices in the same order (a Mesh or an AbstractMesh)."""
+    shape, names = (dp, kv, rep), ("dp", *TP_SPLIT)
+    types = (AxisType.Auto,) * 3
+    if isinstance(mesh, AbstractMesh):
+        return AbstractMesh(shape, names, axis_types=types)
+    return Mesh(mesh.devices.reshape(shape), names, axis_types=types)
 
 
 def place(x, sharding: NamedSharding) -> jax.Array:

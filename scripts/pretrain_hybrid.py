@@ -118,10 +118,15 @@ def export(model: jaxspec.Model, cfg: dict, out: Path) -> None:
     import ml_dtypes
     from safetensors.numpy import save_file
 
+    params = {".".join(str(p) for p in path): np.asarray(leaf.get_value() if hasattr(leaf, "get_value") else leaf.value,
+                                                         np.float32)
+              for path, leaf in nnx.to_flat_state(model.params)}
+    for gdn in {n[: n.index("linear_attn.") + len("linear_attn.")] for n in params if "linear_attn." in n}:
+        # HF fuses what jaxspec keeps apart: in_proj_qkv's columns and conv1d's channels run [q | k | v]
+        params[gdn + "in_proj_qkv.kernel"] = np.concatenate([params.pop(f"{gdn}in_proj_{p}.kernel") for p in "qkv"], 1)
+        params[gdn + "conv1d"] = np.concatenate([params.pop(f"{gdn}conv_{p}") for p in "qkv"], 0)
     tensors = {}
-    for path, leaf in nnx.to_flat_state(model.params):
-        name = ".".join(str(p) for p in path)
-        w = np.asarray(leaf.get_value() if hasattr(leaf, "get_value") else leaf.value, np.float32)
+    for name, w in params.items():
         if name.endswith(".kernel"):
             name, w = name[: -len(".kernel")] + ".weight", w.T
         elif name.endswith("linear_attn.conv1d"):

@@ -257,7 +257,7 @@ def test_grow_keeps_the_committed_cache(target):
 
 AXES = {"batch", "seq", "vocab", "embed", "q_heads", "kv_heads", "head_dim", "ffn", "experts", "layers", "tap_embed",
         "latent", "q_latent", "shared_gate", "gdn_heads", "gdn_key_heads", "gdn_key_dim", "gdn_value_dim",
-        "conv_channels", "conv_kernel", "per_layer"}
+        "conv_kernel", "per_layer"}
 
 
 def test_logical_axes(target):

@@ -21,6 +21,8 @@ from jaxspec.checkpoint import (
     load_params,
     read_safetensors,
 )
+from jaxspec.checkpoint.packed import PackedTensor
+from jaxspec.models import quant
 
 L, E, H, F = 2, 4, 8, 16
 
@@ -168,6 +170,36 @@ def test_optional_target():
     with pytest.raises(WeightsError, match="unexpected tensor 'lm_head.weight'"):
         load_moe(t, rules=(*MOE_RULES, Rule(r"lm_head\.weight", "lm_head.kernel", linear_kernel)))
     load_moe(t, rules=(*MOE_RULES, Rule(r"lm_head\.weight", "lm_head.kernel", linear_kernel, optional=True)))
+
+
+class Fused(nnx.Module):
+    """q, k [H, 2] and v [H, 4] kernels (or packed [out, H] int8 weights): one HF tensor's [q | k | v] rows."""
+
+    def __init__(self, packed: bool = False):
+        for name, out in (("q", 2), ("k", 2), ("v", 4)):
+            proj = Proj((H, out), jnp.float32)
+            if packed:
+                proj.kernel = quant.Packed((out, H), ("out", "in"), quant.Scheme(8, None))
+            setattr(self, name, proj)
+
+
+FUSED_RULES = (Rule(r"qkv\.weight", ("q.kernel", "k.kernel", "v.kernel"), linear_kernel),)
+
+
+def test_fused_tensor_fills_its_parameters_in_row_order():
+    """A rule with several targets cuts the tensor's rows by their sizes (float, or packed codes and scales alike)
+    and says so when they do not add up."""
+    w = np.arange(8 * H, dtype=np.float32).reshape(8, H)
+    m = load_params(Fused, iter([("qkv.weight", w)]), FUSED_RULES)
+    for name, rows in (("q", w[:2]), ("k", w[2:4]), ("v", w[4:])):
+        np.testing.assert_array_equal(getattr(m, name).kernel[...], rows.T)
+    codes, scale = w.astype(np.int8), np.arange(8, dtype=np.float32)[:, None]
+    m = load_params(lambda: Fused(packed=True), iter([("qkv.weight", PackedTensor(codes, scale))]), FUSED_RULES)
+    for name, rows in (("q", slice(0, 2)), ("k", slice(2, 4)), ("v", slice(4, 8))):
+        np.testing.assert_array_equal(getattr(m, name).kernel.codes[...], codes[rows])
+        np.testing.assert_array_equal(getattr(m, name).kernel.scale[...], scale[rows])
+    with pytest.raises(WeightsError, match=re.escape("shape (9, 8), but the parameters it fills take 2 + 2 + 4 rows")):
+        load_params(Fused, iter([("qkv.weight", np.zeros((9, H), np.float32))]), FUSED_RULES)
 
 
 # ------------------------------------------------------------------------------------------ dense table

@@ -19,17 +19,17 @@ TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_siz
 
 
 def test_tiny_by_hand():
-    """tp = 4: q, o and the MLP split 4 ways; k/v (2 heads x 8 = 16 columns) and the cache stay whole, since
-    2 KV heads do not divide 4 and a head is never cut."""
+    """tp = 4: q, o and the MLP split 4 ways; k/v (2 heads x 8 = 16 columns) and the cache 2 ways, one KV head
+    per device pair (sharding.py: a head is never cut, and KV heads fewer than tp split over gcd(2, 4) devices)."""
     p = plan(TINY, tp=4, budget=8, max_len=64, dtype="float32")
     H, F, V, L = 64, 128, 256, 2
-    per_layer = (H * 64 + 64 * H + 3 * H * F) / 4 + 2 * H * 16 + 2 * H  # q, o, mlp split; k, v, norms whole
+    per_layer = (H * 64 + 64 * H + 3 * H * F) / 4 + 2 * H * 16 / 2 + 2 * H  # q, o, mlp; k, v by KV head; norms
     assert p.weights == (2 * V * H / 4 + H + L * per_layer) * 4
-    assert p.cache == L * 2 * (1 * 2 * 64 * 8) * 4 + 8  # k and v [B, KVH, T, D] float32, replicated; int32 header
+    assert p.cache == L * 2 * (1 * 2 * 64 * 8) * 4 / 2 + 8  # k and v [B, KVH, T, D] float32, halves; int32 header
     q8 = plan(TINY, tp=4, budget=8, max_len=64, dtype="float32", quantize="int8")
     split = [(H, 64), (64, H), (H, F), (H, F), (F, H)]  # [in, out]: 1 byte + a float32 scale per column
-    whole = [(H, 16), (H, 16)]  # k, v
-    int8_layer = sum(i * o + 4 * o for i, o in split) / 4 + sum(i * o + 4 * o for i, o in whole) + 2 * H * 4
+    halves = [(H, 16), (H, 16)]  # k, v
+    int8_layer = sum(i * o + 4 * o for i, o in split) / 4 + sum(i * o + 4 * o for i, o in halves) / 2 + 2 * H * 4
     table = (V * H + 4 * V) / 4  # embedding [V, H] and head [H, V], split by vocab: a scale per vocab entry
     assert q8.weights == 2 * table + H * 4 + L * int8_layer and q8.cache == p.cache
 

@@ -174,14 +174,16 @@ def test_block_form_equals_per_node_states(wide):
     path = np.flatnonzero(trees[0][2][last])
     padded = np.zeros(n, np.int32)
     padded[:len(path)] = path
-    C, K1 = 12, 3
-    x = jnp.asarray(rng.standard_normal((2, n, C)), jnp.float32)
+    K1 = 3
+    x = tuple(jnp.asarray(rng.standard_normal((2, n, C)), jnp.float32) for C in (4, 4, 12))  # q, k, v conv inputs
     pend = gdn.GDNPending(conv=None, state=None, x=x, k=k[:, :, ::2], u=u, gamma=gamma)  # k stored per key head
-    entry = gdn.GDNEntry(jnp.asarray(rng.standard_normal((2, K1, C)), jnp.float32), S0, pend)
+    windows = (jnp.asarray(rng.standard_normal((2, K1, C)), jnp.float32) for C in (4, 4, 12))
+    entry = gdn.GDNEntry(*windows, S0, pend)
     done = entry.commit(jnp.asarray(np.stack([padded, padded])), jnp.full((2,), len(path), jnp.int32), None, "xla")
     np.testing.assert_allclose(done.state[0], states[0, last], rtol=0, atol=2e-5)
-    ext = np.concatenate([np.asarray(entry.conv[0]), np.asarray(x[0, path])])
-    np.testing.assert_allclose(done.conv[0], ext[-K1:], rtol=0, atol=0)
+    for old, new, xi in zip(entry.conv, done.conv, x, strict=True):
+        ext = np.concatenate([np.asarray(old[0]), np.asarray(xi[0, path])])
+        np.testing.assert_allclose(new[0], ext[-K1:], rtol=0, atol=0)
 
 
 def test_chunked_equals_recurrence():

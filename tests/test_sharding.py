@@ -1,9 +1,13 @@
 """Sharding over 8 fake CPU devices (conftest.py asks XLA for 8): every family generates the same tokens
 sharded (tp = 8, and dp x tp = 2 x 4) as on one device, with AR, DFlash and DDTree (one row and a batch); caches
-stay sharded like their layers; the sharded loops lower for the `cuda` platform; bad meshes get clear errors."""
+stay sharded like their layers; the sharded loops lower for the `cuda` platform; a Qwen3.6-shaped target's
+compiled loops at tp = 8 pay 2 all-reduces per layer and nothing that grows with the cache; bad meshes get clear
+errors."""
 from __future__ import annotations
 
 import functools
+import re
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -109,9 +113,17 @@ def test_layout_rules():
     assert lay.spec(("batch", "kv_heads", "seq", "head_dim"), (2, 2, 16, 8)) == P("dp", None, None, None)  # 2 % 4
     assert lay.spec(("experts", "embed", "ffn"), (8, 64, 32)) == P("tp", None, None)  # tp used once per array
     assert lay.spec(("batch", "seq", "latent"), (2, 16, 24)) == P("dp", None, None)
-    heads = Layout.of("dense", mesh, {"q_heads": 8, "kv_heads": 2})  # 2 KV heads of 8 dims: 16 columns
-    assert heads.spec(("embed", "kv_heads"), (64, 16)) == P(None, None)  # 16 % 4 == 0, but a head is never cut
+    heads = Layout.of("dense", mesh, {"q_heads": 8, "kv_heads": 3})  # 3 KV heads of 8 dims: 24 columns
+    assert heads.spec(("embed", "kv_heads"), (64, 24)) == P(None, None)  # 24 % 4 == 0, but a head is never cut
     assert heads.spec(("embed", "q_heads"), (64, 64)) == P(None, "tp")
+    # 2 KV heads on tp = 4: tp viewed as tp_kv (2) x tp_rep (2) over the same devices in the same order; K/V split
+    # over tp_kv only, so device i holds KV head i // 2, the one its query heads 2i, 2i + 1 read
+    two = Layout.of("dense", mesh, {"q_heads": 8, "kv_heads": 2})
+    assert two.view.shape == {"dp": 2, "tp_kv": 2, "tp_rep": 2} and two.mesh == mesh
+    assert (two.view.devices.reshape(mesh.devices.shape) == mesh.devices).all()
+    assert two.spec(("batch", "kv_heads", "seq", "head_dim"), (2, 2, 16, 8)) == P("dp", "tp_kv", None, None)
+    assert two.spec(("embed", "q_heads"), (64, 64)) == P(None, ("tp_kv", "tp_rep"))
+    assert two.shards(("embed", "kv_heads"), (64, 16)) == 2 and two.shards(("vocab", "embed"), (128, 64)) == 4
     with pytest.raises(ValueError, match="gdn_heads"):
         lay.spec(("gdn_heads",), (8,))
     with pytest.raises(ValueError, match="no sharding rules"):
@@ -160,7 +172,70 @@ def test_load_into_mesh(tiny_hf):
     _, path = tiny_hf("llama")
     one = jaxspec.load(path, tokenizer=False)
     sharded = jaxspec.load(path, mesh=jaxspec.make_mesh(tp=4, dp=2), tokenizer=False)
-    q = sharded.params["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
-    assert q.sharding.spec == P(None, "tp") and len(q.addressable_shards) == 8
+    attn = sharded.params["layers"][0]["self_attn"]  # 2 KV heads on tp = 4: K/V split 2 ways (test_layout_rules)
+    q, k = attn["q_proj"]["kernel"][...], attn["k_proj"]["kernel"][...]
+    assert q.sharding.spec == P(None, ("tp_kv", "tp_rep")) and len(q.addressable_shards) == 8
+    assert k.sharding.spec == P(None, "tp_kv") and k.addressable_shards[0].data.shape == (64, 16)
     ids = np.array([PROMPT, PROMPT[::-1]])
     np.testing.assert_allclose(sharded.logits(ids), one.logits(ids), rtol=1e-5, atol=1e-5)
+
+
+# Qwen3.6-27B's head counts at tiny widths: 24 query heads over 4 KV heads (fewer than tp = 8), GDN 16 key and
+# 48 value heads (its q, k and v split by their own heads), one full-attention layer in four.
+QWEN36 = dict(model_type="qwen3_5_text", vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=24,
+              num_key_value_heads=4, head_dim=8, linear_num_key_heads=16, linear_num_value_heads=48,
+              linear_key_head_dim=8, linear_value_head_dim=8, full_attention_interval=4, max_position_embeddings=1024,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
+COLLECTIVE = re.compile(r"= (\([^)]*\)|\S+) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter"
+                        r"|collective-broadcast)(?:-start)?\(")
+
+
+def collectives(layers: int, max_len: int) -> dict[str, list[tuple[str, tuple[str, ...]]]]:
+    """(op, operand shapes) of every collective in the compiled AR decode loop and speculative (DDTree) loop of a
+    Qwen3.6-shaped target of `layers` layers at tp = 8 with `max_len` cache slots (an oracle drafter: no layers,
+    so every collective is the target's, its verify and its commit)."""
+    m = jaxspec.random_model(hybrid_config_from_dict({**QWEN36, "num_hidden_layers": layers}))
+    m = m.on_mesh(jaxspec.make_mesh(tp=8))
+    sp, eos, key, n, toks = SamplingParams(), (-1,), jax.random.key(0), jnp.int32(8), jnp.zeros((1, 16), jnp.int32)
+    state = engine.ar_prefill(m.jit_def, m.params, toks, jnp.zeros((1,), jnp.int32), key, n, max_len=max_len,
+                              out_len=8, sampling=sp, eos=eos, layout=m.layout)
+    ar = engine.ar_decode.lower(m.jit_def, m.params, state, n, sampling=sp, eos=eos, layout=m.layout)
+    d = oracle_drafter(m, list(range(32)), block_size=5)
+    settings = engine.SpecSettings("ddtree", 8, 4, d.config.target_layer_ids, sp, eos, "xla", m.layout, d.layout)
+    args = (m.jit_def, m.params, d.jit_def, d.params)
+    state = engine.spec_prefill(*args, toks, jnp.int32(11), key, n, max_len=max_len, out_len=16, settings=settings)
+    spec = engine.spec_decode.lower(*args, state, n, settings=settings)
+    return {name: [(op, tuple(re.findall(r"[a-z]+[0-9]*\[[0-9,]*\]", shape)))
+                   for shape, op in COLLECTIVE.findall(lowered.compile().as_text())]
+            for name, lowered in (("ar", ar), ("verify", spec))}
+
+
+def test_tp_pays_two_all_reduces_per_layer():
+    """[gpu-path] target: at tp = 8 a layer costs the 2 all-reduces Megatron-style tp needs (its attention or GDN
+    output projection, its MLP's down projection) and nothing else. From 4 layers with 128 slots to 8 layers with
+    512, the AR decode loop and the speculative loop each gain exactly 8 all-reduces and no other collective,
+    contain no collective-permute (a GDN q | k | v split across shards: 11 per GDN layer before) and no collective
+    with an operand the smaller program lacks (KV heads replicated over tp: whole K and V buffers gathered in
+    verify before); the rest is a constant few (embedding rows, the sampled token's max and index)."""
+    small, big = collectives(4, 128), collectives(8, 512)
+    for prog in ("ar", "verify"):
+        a, b = (Counter(op for op, _ in c[prog]) for c in (small, big))
+        assert b["all-reduce"] - a["all-reduce"] == 2 * 4 and a["all-reduce"] <= 2 * 4 + 3, (prog, a, b)
+        assert {op: k for op, k in b.items() if op != "all-reduce"} == \
+            {op: k for op, k in a.items() if op != "all-reduce"}, (prog, a, b)
+        assert not b["collective-permute"], (prog, b)
+        shapes = [{s for _, ss in c[prog] for s in ss} for c in (small, big)]
+        assert shapes[1] <= shapes[0], (prog, shapes[1] - shapes[0])
+
+
+def test_qwen36_shaped_same_tokens_at_tp8():
+    """The layout the collective counts rest on is exact: the Qwen3.6-shaped target (Qwen3.5's split q, k, v GDN
+    projections; 4 KV heads on 8 devices) generates the same tokens at tp = 8 as on one device, AR and DDTree."""
+    m = jaxspec.random_model(hybrid_config_from_dict({**QWEN36, "num_hidden_layers": 4}), seed=5)
+    m.params = jax.tree.map(lambda x: x * 2.0, m.params)  # peaked logits, as `target`
+    want = jaxspec.generate(m, input_ids=PROMPT, method="ar", max_new_tokens=NEW).token_ids
+    sharded = m.on_mesh(jaxspec.make_mesh(tp=8))
+    assert jaxspec.generate(sharded, input_ids=PROMPT, method="ar", max_new_tokens=NEW).token_ids == want
+    d = oracle_drafter(sharded, PROMPT + want, noise=0.3, block_size=5)
+    r = jaxspec.generate(sharded, input_ids=PROMPT, drafter=d, method="ddtree", budget=8, max_new_tokens=NEW)
+    assert r.token_ids == want and r.stats["acceptance_length"] > 2.0

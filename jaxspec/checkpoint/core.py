@@ -14,6 +14,7 @@ dequantised. So a checkpoint is never dequantised into a packed model, nor held 
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -39,7 +40,10 @@ class Rule:
     """Where the checkpoint tensors whose name fullmatches `pattern` go.
 
     target: dotted parameter path, formatted with the regex groups (`"layers.{0}.mlp.up_proj.kernel"`);
-      None ignores the tensor (vision towers, rotary buffers, a drafter's copy of the target's head).
+      None ignores the tensor (vision towers, rotary buffers, a drafter's copy of the target's head). A tuple
+      of paths: the tensor is those parameters concatenated along its first axis (a fused HF projection's
+      output rows, a conv's channels), cut by their sizes before the transform, each piece then going its
+      own way (kept apart so each can be sharded by its own heads: sharding.py).
     transform: array -> array applied before the shape check (e.g. `linear_kernel`).
     stack: index of the group (as in `{0}`) holding the slice of the parameter's leading axis that the
       tensor fills: expert e of `layers.{0}.mlp.experts.gate_proj.kernel` [E, in, out].
@@ -48,19 +52,24 @@ class Rule:
     """
 
     pattern: str
-    target: str | None
+    target: str | tuple[str, ...] | None
     transform: Callable[[np.ndarray], np.ndarray] | None = None
     stack: int | None = None
     optional: bool = False
 
 
-def rule_target(name: str, rules: Iterable[Rule]) -> str | None:
-    """The parameter path tensor `name` fills through the first matching rule (a stacked parameter's whole
-    path), or None when no rule maps it or its rule ignores it."""
+def rule_targets(name: str, rules: Iterable[Rule]) -> tuple[str, ...]:
+    """The parameter paths tensor `name` fills through the first matching rule (a stacked parameter's whole
+    path; several for a split tensor), none when no rule maps it or its rule ignores it."""
     for r in rules:
         if (m := re.fullmatch(r.pattern, name)) is not None:
-            return None if r.target is None else r.target.format(*m.groups())
-    return None
+            return _paths(r, m)
+    return ()
+
+
+def _paths(rule: Rule, m: re.Match) -> tuple[str, ...]:
+    targets = () if rule.target is None else (rule.target,) if isinstance(rule.target, str) else rule.target
+    return tuple(t.format(*m.groups()) for t in targets)
 
 
 def load_params(module_ctor: Callable[[], nnx.Module], tensors: Iterable[tuple[str, np.ndarray]],
@@ -89,40 +98,13 @@ def load_params(module_ctor: Callable[[], nnx.Module], tensors: Iterable[tuple[s
         m, rule = next(((m, r) for p, r in table if (m := p.fullmatch(name))), (None, None))
         if rule is None:
             raise _unexpected(name, what)
-        if rule.target is None:
-            continue
-        path = rule.target.format(*m.groups())
-        packed = f"{path}.codes" in by_path
-        if path not in by_path and not packed:
-            if rule.optional:
-                continue
-            raise _unexpected(name, what)
-        if isinstance(arr, PackedTensor) and not packed:
-            arr = arr.dequantize()  # a packed tensor for a float parameter (a type the model keeps float)
-        if isinstance(arr, PackedTensor):
-            if rule.transform not in (None, linear_kernel):
-                raise WeightsError(f"tensor {name!r} is packed but its rule transforms it ({rule.transform.__name__}); "
-                                   "load it with quantize=None")
-        elif rule.transform is not None:
-            arr = rule.transform(arr)
-        if packed:
-            if not isinstance(arr, PackedTensor):
-                if pack is None:
-                    raise WeightsError(f"parameter {path} is packed but {name!r} is a float tensor "
-                                       "and no packing was asked for")
-                arr = pack(path, arr)
-            want = {k.rsplit(".", 1)[1] for k in by_path if k.rsplit(".", 1)[0] == path}
-            if set(arr.parts()) != want:
-                raise WeightsError(f"tensor {name!r} is packed as {sorted(arr.parts())}, but parameter {path} "
-                                   f"holds {sorted(want)}; the checkpoint's quantisation differs from the model's")
-            parts = [(f"{path}.{k}", a) for k, a in arr.parts().items()]
-        else:
-            parts = [(path, arr)]
+        paths = _paths(rule, m)
+        pieces = _split(name, arr, paths, flat, by_path, what) if len(paths) > 1 else [(p, arr) for p in paths]
         del arr  # before the reader allocates the next tensor: one checkpoint tensor alive at a time
-        while parts:
-            part, a = parts.pop(0)
-            _put(name, part, a, flat[by_path[part]], rule.stack, m, filled, stacks, place)
-            del a
+        while pieces:
+            path, piece = pieces.pop(0)
+            _fill(name, path, piece, rule, m, flat, by_path, filled, stacks, what, pack, place)
+            del piece
 
     missing = []
     for path, key in by_path.items():
@@ -135,6 +117,65 @@ def load_params(module_ctor: Callable[[], nnx.Module], tensors: Iterable[tuple[s
         raise WeightsError(f"{what} is missing {n} tensor{'s' * (n > 1)}, e.g. {sorted(missing)[0]!r}; "
                            "the file may be truncated")
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _split(name: str, arr, paths: tuple[str, ...], flat: dict, by_path: dict, what: str) -> list[tuple[str, Any]]:
+    """A fused tensor (float, or packed [out, in]) -> one piece of its first axis per parameter path, each as many
+    rows as its parameter takes: the parameter's size over the tensor's other dimensions (a packed parameter:
+    its codes' output rows)."""
+    def rows(path):
+        if path in by_path:
+            return math.prod(flat[by_path[path]].shape) // math.prod(arr.shape[1:])
+        if f"{path}.codes" in by_path:
+            return flat[by_path[f"{path}.codes"]].shape[-2]
+        raise _unexpected(name, what)
+
+    n = [rows(p) for p in paths]
+    if sum(n) != arr.shape[0]:
+        raise WeightsError(f"tensor {name!r} has shape {tuple(arr.shape)}, but the parameters it fills take "
+                           f"{' + '.join(map(str, n))} rows; is config.json from the same model?")
+    cuts = np.cumsum([0, *n])
+    cut = lambda a, i: a[cuts[i]:cuts[i + 1]]  # noqa: E731
+    if isinstance(arr, PackedTensor):
+        return [(p, arr.map(lambda a, i=i: cut(a, i))) for i, p in enumerate(paths)]
+    return [(p, cut(arr, i)) for i, p in enumerate(paths)]
+
+
+def _fill(name: str, path: str, arr, rule: Rule, m: re.Match, flat: dict, by_path: dict, filled: dict, stacks: dict,
+          what: str, pack, place) -> None:
+    """Tensor `name` (or its piece) into parameter `path`: dequantised, transformed or packed as the parameter
+    needs, then placed."""
+    packed = f"{path}.codes" in by_path
+    if path not in by_path and not packed:
+        if rule.optional:
+            return
+        raise _unexpected(name, what)
+    if isinstance(arr, PackedTensor) and not packed:
+        arr = arr.dequantize()  # a packed tensor for a float parameter (a type the model keeps float)
+    if isinstance(arr, PackedTensor):
+        if rule.transform not in (None, linear_kernel):
+            raise WeightsError(f"tensor {name!r} is packed but its rule transforms it ({rule.transform.__name__}); "
+                               "load it with quantize=None")
+    elif rule.transform is not None:
+        arr = rule.transform(arr)
+    if packed:
+        if not isinstance(arr, PackedTensor):
+            if pack is None:
+                raise WeightsError(f"parameter {path} is packed but {name!r} is a float tensor "
+                                   "and no packing was asked for")
+            arr = pack(path, arr)
+        want = {k.rsplit(".", 1)[1] for k in by_path if k.rsplit(".", 1)[0] == path}
+        if set(arr.parts()) != want:
+            raise WeightsError(f"tensor {name!r} is packed as {sorted(arr.parts())}, but parameter {path} "
+                               f"holds {sorted(want)}; the checkpoint's quantisation differs from the model's")
+        parts = [(f"{path}.{k}", a) for k, a in arr.parts().items()]
+    else:
+        parts = [(path, arr)]
+    del arr
+    while parts:
+        part, a = parts.pop(0)
+        _put(name, part, a, flat[by_path[part]], rule.stack, m, filled, stacks, place)
+        del a
 
 
 def _put(name: str, path: str, arr: np.ndarray, var, stack: int | None, m: re.Match, filled: dict, stacks: dict,

@@ -21,6 +21,11 @@ Causal runs (prefill) are scanned in chunks of 64 with one state carried between
 (AR decode) is the recurrent step. The short causal conv takes its K-1 previous inputs along the parent
 chain, so a tree node reads its ancestors' inputs and a root reads the committed window.
 
+q, k and v stay apart through the projections and the conv: HF fuses them (in_proj_qkv's rows and conv1d's
+channels run [q | k | v]), but the conv is depthwise, each channel its own, and apart each splits over tp by its
+own heads (q and k by key head, v by value head). Fused, a tp shard's contiguous slice of the [q | k | v] columns
+held parts of other shards' heads, and each GDN layer paid 11 collective-permutes a step to regroup them.
+
 Modes (static, on the family config): "exact" (the block form above), "reference" (per-node states stepped
 depth by depth from the parent's state: the test oracle), "leaky" (one flat causal scan over the BFS-ordered
 tree: siblings leak into each other's state, as in the seed's engine; for benchmarks only).
@@ -34,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.models.layers import Linear, param
+from jaxspec.models.layers import Linear, param, project
 from jaxspec.segment import Segment
 
 CHUNK = 64  # prefill chunk, as in the reference kernels
@@ -50,9 +55,9 @@ _HI = jax.lax.Precision.HIGHEST  # float32 state math: no TF32 on GPU
 class GDNPending:
     """What one forward appended, kept until `advance` or `commit` folds it into the entry."""
 
-    conv: jax.Array  # [B, K-1, C]: conv window after the last real token (for advance)
+    conv: tuple[jax.Array, ...]  # q, k, v conv windows [B, K-1, C_i] after the last real token (for advance)
     state: jax.Array  # [B, Hv, dk, dv] f32: state after the last real token (for advance)
-    x: jax.Array  # [B, N, C]: conv inputs of the new tokens (commit builds the window from the path's)
+    x: tuple[jax.Array, ...]  # q, k, v conv inputs [B, N, C_i] of the new tokens (commit keeps the path's)
     k: jax.Array  # [B, N, Hk, dk] f32: normalised keys
     u: jax.Array  # [B, N, Hv, dv] f32: delta-rule corrections (intrinsic to each node's path)
     gamma: jax.Array  # [B, N, Hv] f32: log-decay summed along each node's path from the committed state
@@ -61,25 +66,36 @@ class GDNPending:
 @jax.tree_util.register_dataclass
 @dataclass
 class GDNEntry:
-    """One Gated DeltaNet layer's recurrent cache: the committed conv window and state (no seq axis)."""
+    """One Gated DeltaNet layer's recurrent cache: the committed conv windows and state (no seq axis)."""
 
-    conv: jax.Array  # [B, K-1, C]: the last K-1 conv inputs
+    conv_q: jax.Array  # [B, K-1, Hk * dk]: the last K-1 conv inputs of q
+    conv_k: jax.Array  # [B, K-1, Hk * dk]: of k
+    conv_v: jax.Array  # [B, K-1, Hv * dv]: of v
     state: jax.Array  # [B, Hv, dk, dv] float32
     pending: GDNPending | None = None  # set by a forward, consumed by advance / commit
     AXES: ClassVar[dict[str, tuple[str, ...]]] = {
-        "conv": ("batch", "conv_kernel", "conv_channels"),
+        "conv_q": ("batch", "conv_kernel", "gdn_key_heads"),
+        "conv_k": ("batch", "conv_kernel", "gdn_key_heads"),
+        "conv_v": ("batch", "conv_kernel", "gdn_heads"),
         "state": ("batch", "gdn_heads", "gdn_key_dim", "gdn_value_dim"),
     }
 
     @staticmethod
-    def init(batch: int, conv_kernel: int, channels: int, heads: int, dk: int, dv: int, dtype) -> "GDNEntry":
-        return GDNEntry(jnp.zeros((batch, conv_kernel - 1, channels), dtype),
-                        jnp.zeros((batch, heads, dk, dv), jnp.float32))
+    def init(batch: int, s: "GDNSpec", dtype) -> "GDNEntry":
+        kd, vd = s.num_key_heads * s.key_dim, s.num_value_heads * s.value_dim
+        window = lambda c: jnp.zeros((batch, s.conv_kernel - 1, c), dtype)  # noqa: E731
+        return GDNEntry(window(kd), window(kd), window(vd),
+                        jnp.zeros((batch, s.num_value_heads, s.key_dim, s.value_dim), jnp.float32))
+
+    @property
+    def conv(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The q, k and v conv windows."""
+        return self.conv_q, self.conv_k, self.conv_v
 
     def advance(self, n) -> "GDNEntry":
         """Adopt the state after the forward's real tokens. The forward folded exactly `segment.lengths`
         tokens per row, so n must be those lengths (the engine always advances by them)."""
-        return GDNEntry(self.pending.conv, self.pending.state)
+        return GDNEntry(*self.pending.conv, self.pending.state)
 
     def commit(self, path, n, length, impl: str) -> "GDNEntry":
         """Keep each row's tree nodes path[b, :n[b]] (path [B, P], n [B]): eq. (1) with i = path[b, n[b]-1] over
@@ -96,10 +112,13 @@ class GDNEntry:
         g_last = jnp.take_along_axis(p.gamma, last[:, :, None], axis=1)[:, 0]  # [B, Hv]
         k = jnp.repeat(take(p.k), r, axis=2)  # [B, P, Hv, dk]
         state = state_at(self.state, k, take(p.u), take(p.gamma), on, g_last)
-        ext = jnp.concatenate([self.conv, take(p.x).astype(self.conv.dtype)], axis=1)  # [B, K-1+P, C]
-        K1 = self.conv.shape[1]
-        conv = jax.vmap(lambda e, m: jax.lax.dynamic_slice_in_dim(e, m, K1, axis=0))(ext, n)
-        return GDNEntry(conv, state)
+        K1 = self.conv_q.shape[1]
+
+        def window(old, x):  # the last K-1 of [old window | accepted inputs] [B, K-1+P, C]
+            ext = jnp.concatenate([old, take(x).astype(old.dtype)], axis=1)
+            return jax.vmap(lambda e, m: jax.lax.dynamic_slice_in_dim(e, m, K1, axis=0))(ext, n)
+
+        return GDNEntry(*map(window, self.conv, p.x), state)
 
 
 # ------------------------------------------------------------------------------------------ functional core
@@ -132,17 +151,15 @@ def gather_tokens(ext, idx):
     return jnp.where(flat[..., None] >= 0, out, 0).reshape(*idx.shape, C)
 
 
-def short_conv(window, x, parents, weight):
+def short_conv(window, x, taps, weight):
     """Depthwise causal conv (no bias) along each token's parent chain, then SiLU.
 
-    window [B, K-1, C] committed inputs; x [B, N, C] new inputs; weight [C, K] (weight[:, K-1] multiplies the
-    token itself). Returns (out [B, N, C], taps [B, N, K] indices into [window | x])."""
-    K = weight.shape[1]
+    window [B, K-1, C] committed inputs; x [B, N, C] new inputs; taps [B, N, K] (`conv_taps`); weight [C, K]
+    (weight[:, K-1] multiplies the token itself). Returns (out [B, N, C], [window | x] [B, K-1+N, C])."""
     ext = jnp.concatenate([window, x.astype(window.dtype)], axis=1)
-    taps = conv_taps(parents, K)
     cols = gather_tokens(ext, taps)  # [B, N, K, C]
     out = jnp.einsum("bnkc,ck->bnc", cols.astype(jnp.float32), weight.astype(jnp.float32), precision=_HI)
-    return jax.nn.silu(out).astype(x.dtype), ext, taps
+    return jax.nn.silu(out).astype(x.dtype), ext
 
 
 def state_at(S0, k, u, gamma, sel, gamma_e):
@@ -251,10 +268,6 @@ class GDNSpec:
     fused: bool  # Qwen3-Next's in_proj_qkvz / in_proj_ba, in HF's key-head-grouped layout
     mode: str = "exact"
 
-    @property
-    def channels(self) -> int:  # conv channels [q | k | v]
-        return 2 * self.num_key_heads * self.key_dim + self.num_value_heads * self.value_dim
-
 
 class GatedRMSNorm(nnx.Module):
     """w * rmsnorm(o) * silu(z) per head (plain weight, ones at init), as Qwen3NextRMSNormGated."""
@@ -269,23 +282,34 @@ class GatedRMSNorm(nnx.Module):
         return (self.weight[...] * on * jax.nn.silu(z.astype(jnp.float32))).astype(z.dtype)
 
 
+def _linear(kernel, axes) -> Linear:
+    """A Linear holding `kernel` [in, out], drawn by the caller."""
+    lin = Linear(*kernel.shape, axes, dtype=kernel.dtype, rngs=nnx.Rngs(0))
+    lin.kernel = param(kernel, axes)
+    return lin
+
+
 class GatedDeltaNet(nnx.Module):
     def __init__(self, spec: GDNSpec, *, dtype=jnp.float32, rngs: nnx.Rngs):
         if spec.mode not in MODES:
             raise ValueError(f"unknown gdn mode {spec.mode!r}; use one of {', '.join(MODES)}")
         self.spec = s = spec
         H, Hv, kd, vd = s.hidden_size, s.num_value_heads, s.num_key_heads * s.key_dim, s.num_value_heads * s.value_dim
+        axes = ("gdn_key_heads", "gdn_key_heads", "gdn_heads")  # q, k, v
+        # HF fuses q, k and v in in_proj_qkv and conv1d; here they are apart (checkpoint/qwen3_next.py splits them),
+        # but each is drawn as the fused matrix and cut, so a random model keeps the weights it had fused
         if s.fused:
             self.in_proj_qkvz = Linear(H, 2 * kd + 2 * vd, ("embed", "gdn_key_heads"), dtype=dtype, rngs=rngs)
             self.in_proj_ba = Linear(H, 2 * Hv, ("embed", "gdn_key_heads"), dtype=dtype, rngs=rngs)
         else:
-            self.in_proj_qkv = Linear(H, 2 * kd + vd, ("embed", "conv_channels"), dtype=dtype, rngs=rngs)
+            qkv = jnp.split(jax.random.normal(rngs.params(), (H, 2 * kd + vd), dtype) * H**-0.5, [kd, 2 * kd], axis=1)
+            self.in_proj_q, self.in_proj_k, self.in_proj_v = (_linear(w, ("embed", a)) for w, a in zip(qkv, axes))
             self.in_proj_z = Linear(H, vd, ("embed", "gdn_heads"), dtype=dtype, rngs=rngs)
             self.in_proj_b = Linear(H, Hv, ("embed", "gdn_heads"), dtype=dtype, rngs=rngs)
             self.in_proj_a = Linear(H, Hv, ("embed", "gdn_heads"), dtype=dtype, rngs=rngs)
         K = s.conv_kernel
-        self.conv1d = param(jax.random.normal(rngs.params(), (s.channels, K), dtype) * K**-0.5,
-                            ("conv_channels", "conv_kernel"))
+        conv = jnp.split(jax.random.normal(rngs.params(), (2 * kd + vd, K), dtype) * K**-0.5, [kd, 2 * kd])
+        self.conv_q, self.conv_k, self.conv_v = (param(w, (a, "conv_kernel")) for w, a in zip(conv, axes))
         # HF draws A from U(0.01, 16); a narrower range keeps random models' states alive across many tokens
         A = jax.random.uniform(rngs.params(), (Hv,), jnp.float32, 0.05, 1.0)
         self.A_log = param(jnp.log(A).astype(dtype), ("gdn_heads",))
@@ -294,7 +318,7 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = Linear(vd, H, ("gdn_heads", "embed"), dtype=dtype, rngs=rngs)
 
     def project(self, x):
-        """x [B, N, H] -> mixed [B, N, C] (conv input [q | k | v]), z [B, N, Hv, dv], b, a [B, N, Hv].
+        """x [B, N, H] -> conv inputs q, k [B, N, Hk * dk] and v [B, N, Hv * dv], z [B, N, Hv, dv], b, a [B, N, Hv].
 
         The fused projections keep HF's layout, grouped by key head g: qkvz = [q_g | k_g | v_g | z_g] and
         ba = [b_g | a_g] per group (value head g*r + j), so a shard of key heads is a contiguous column block."""
@@ -306,11 +330,11 @@ class GatedDeltaNet(nnx.Module):
             qkvz = self.in_proj_qkvz(x).reshape(B, N, Hk, 2 * dk + 2 * r * dv)
             q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
             b, a = jnp.split(self.in_proj_ba(x).reshape(B, N, Hk, 2 * r), 2, axis=-1)
-            flat = lambda t: t.reshape(B, N, -1)  # noqa: E731
-            mixed, z, b, a = jnp.concatenate([flat(q), flat(k), flat(v)], -1), flat(z), flat(b), flat(a)
+            q, k, v, z, b, a = (t.reshape(B, N, -1) for t in (q, k, v, z, b, a))
         else:
-            mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
-        return mixed, z.reshape(B, N, Hv, dv), b, a
+            q, k, v, z, b, a = project(x, self.in_proj_q, self.in_proj_k, self.in_proj_v, self.in_proj_z,
+                                       self.in_proj_b, self.in_proj_a)
+        return (q, k, v), z.reshape(B, N, Hv, dv), b, a
 
     def __call__(self, x, segment: Segment, entry: GDNEntry, real):
         """x [B, N, H]; real [B, N] bool (False: left or right padding, an identity step).
@@ -320,13 +344,14 @@ class GatedDeltaNet(nnx.Module):
         Hk, Hv, dk, dv = s.num_key_heads, s.num_value_heads, s.key_dim, s.value_dim
         if s.mode == "leaky":  # the seed's bug: the tree's BFS order read as one causal run
             segment = Segment.causal(segment.positions, segment.lengths)
-        mixed, z, b, a = self.project(x)
-        mixed = jnp.where(real[..., None], mixed, 0)  # padding never reaches a window or a state
-        conv_out, ext, taps = short_conv(entry.conv, mixed, segment.parents, self.conv1d[...])
-        q, k, v = jnp.split(conv_out.astype(jnp.float32), [Hk * dk, 2 * Hk * dk], axis=-1)
-        q = l2norm(q.reshape(B, N, Hk, dk)) * dk**-0.5
-        k = l2norm(k.reshape(B, N, Hk, dk))
-        v = v.reshape(B, N, Hv, dv)
+        xs, z, b, a = self.project(x)
+        xs = tuple(jnp.where(real[..., None], t, 0) for t in xs)  # padding never reaches a window or a state
+        taps = conv_taps(segment.parents, s.conv_kernel)
+        weights = (self.conv_q[...], self.conv_k[...], self.conv_v[...])
+        (q, ext_q), (k, ext_k), (v, ext_v) = map(short_conv, entry.conv, xs, (taps,) * 3, weights)
+        q = l2norm(q.astype(jnp.float32).reshape(B, N, Hk, dk)) * dk**-0.5
+        k = l2norm(k.astype(jnp.float32).reshape(B, N, Hk, dk))
+        v = v.astype(jnp.float32).reshape(B, N, Hv, dv)
         beta = jnp.where(real[..., None], jax.nn.sigmoid(b.astype(jnp.float32)), 0.0)
         f32 = lambda t: t.astype(jnp.float32)  # noqa: E731
         g = -jnp.exp(f32(self.A_log[...])) * jax.nn.softplus(f32(a) + f32(self.dt_bias[...]))
@@ -349,6 +374,7 @@ class GatedDeltaNet(nnx.Module):
         # the conv window after the last real token: its K-1 newest inputs along its parent chain
         end = jnp.take_along_axis(taps, last[:, None, None], axis=1)[:, 0, 1:]  # [B, K-1]
         end = jnp.where(has, end, jnp.arange(s.conv_kernel - 1)[None])  # no real token: the window stays
-        pending = GDNPending(conv=gather_tokens(ext, end), state=S, x=mixed, k=k, u=u, gamma=gamma)
+        conv = tuple(gather_tokens(e, end) for e in (ext_q, ext_k, ext_v))
+        pending = GDNPending(conv=conv, state=S, x=xs, k=k, u=u, gamma=gamma)
         y = self.norm(o.astype(x.dtype), z)
         return self.out_proj(y.reshape(B, N, Hv * dv)), replace(entry, pending=pending)

@@ -219,9 +219,8 @@ class HybridLM(nnx.Module):
     def init_cache(self, batch: int, max_len: int) -> Cache:
         c, s = self.config, gdn_spec(self.config)
         dt = self.embed_tokens.dtype
-        return Cache.init([GDNEntry.init(batch, s.conv_kernel, s.channels, s.num_value_heads, s.key_dim, s.value_dim,
-                                         dt)
-                           if t == "linear_attention" else KVEntry.init(batch, max_len, c.num_kv_heads, c.head_dim, dt)
+        return Cache.init([GDNEntry.init(batch, s, dt) if t == "linear_attention"
+                           else KVEntry.init(batch, max_len, c.num_kv_heads, c.head_dim, dt)
                            for t in c.layer_types], batch, max_len)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
