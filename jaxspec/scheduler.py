@@ -147,7 +147,8 @@ class Scheduler:
 
     def _build(self) -> None:
         """The batch: B placeholder rows prefilled with one token and done at once, so every request enters
-        through refill and the programs are compiled before the first request."""
+        through refill; then one refill per prompt width a request can have, so nothing compiles once requests
+        are served (a compile in the loop would stall every row for seconds)."""
         dec, B = self.dec, self.B
         greedy = [SamplingParams()] * B
         if dec.method == "ar":
@@ -156,7 +157,8 @@ class Scheduler:
         else:
             run = dec.prefill([[0]] * B, 1, max_len=dec.spec_max_len(self.ctx, 0),
                               out_len=round_up(self.ctx, 64) + dec.settings.round_tokens, sampling=greedy)
-        dec.refill(run, [0], [[0]], [1], jax.random.key(0)[None], sampling=greedy[:1])  # compiles a 1-row refill
+        for width in sorted({prompt_width(n) for n in range(1, self.ctx)}):
+            dec.refill(run, [0], [[0] * min(width, self.ctx - 1)], [1], jax.random.key(0)[None], sampling=greedy[:1])
         self.run = dec.decode(run, 1)  # compiles the decode loop without a step (every row is done)
         jax.block_until_ready(self.run.state)
 
@@ -184,22 +186,20 @@ class Scheduler:
         return True
 
     def _admit(self, slots: list[int], reqs: list[Request]) -> None:
+        """Prefill each request into its row, one at a time: one refill program per prompt width, all compiled
+        by _build, where groups would need one per (group size, width)."""
         dec, run = self.dec, self.run
-        prompts, limits = [r.prompt for r in reqs], [r.max_tokens for r in reqs]
-        sampling = [r.sampling for r in reqs]
-        if dec.method == "ar":
-            first = dec.refill(run, slots, prompts, limits, sampling=sampling)
-        else:
-            seeds = [r.seed if r.seed is not None else time.time_ns() % (1 << 62) for r in reqs]
-            keys = jnp.stack([jax.random.split(jax.random.key(s), 1)[0] for s in seeds])  # generate()'s stream
-            first = dec.refill(run, slots, prompts, limits, keys, sampling=sampling)
-        now = time.perf_counter()
-        with self.wake:
-            for b, r in zip(slots, reqs):
+        for b, r in zip(slots, reqs):
+            if dec.method == "ar":
+                first = dec.refill(run, [b], [r.prompt], [r.max_tokens], sampling=[r.sampling])[0]
+            else:
+                seed = r.seed if r.seed is not None else time.time_ns() % (1 << 62)
+                key = jax.random.split(jax.random.key(seed), 1)  # generate(seed=)'s stream for one prompt
+                first = dec.refill(run, [b], [r.prompt], [r.max_tokens], key, sampling=[r.sampling])[0]
+            r.first_token_at = time.perf_counter()
+            with self.wake:
                 self.rows[b] = r
-        for b, r, t in zip(slots, reqs, first):
-            r.first_token_at = now
-            self._emit(b, [t], done=t in dec.eos or r.max_tokens <= 1)
+            self._emit(b, [first], done=first in dec.eos or r.max_tokens <= 1)
 
     def _decode(self) -> None:
         dec, run = self.dec, self.run
