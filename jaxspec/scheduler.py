@@ -120,7 +120,7 @@ class Scheduler:
         with self.wake:
             return len(self.waiting), sum(r is not None for r in self.rows)
 
-    def encode(self, fn):
+    def with_tokenizer(self, fn):
         """Run fn(tokenizer) under the tokenizer's lock."""
         with self.tok_lock:
             return fn(self.tokenizer)
@@ -246,7 +246,8 @@ class Scheduler:
         self._send(r, text[: max(r.sent, shown - hold)])
 
     def _text(self, ids: list[int]) -> str:
-        return self.encode(lambda t: t.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
+        return self.with_tokenizer(
+            lambda t: t.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
 
     @staticmethod
     def _find_stop(text: str, r: Request) -> int | None:

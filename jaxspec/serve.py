@@ -219,7 +219,7 @@ def create_app(sched: Scheduler, model_name: str) -> FastAPI:
                 raise APIError(400, "one prompt per request (a list of prompts is not supported)", "prompt")
             p = p[0]
         if isinstance(p, str):
-            ids = sched.encode(lambda t: t.encode(p))
+            ids = sched.with_tokenizer(lambda t: t.encode(p))
         else:
             vocab = sched.dec.model.config.vocab_size
             if any(not 0 <= t < vocab for t in p):
@@ -239,7 +239,7 @@ def create_app(sched: Scheduler, model_name: str) -> FastAPI:
             return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
         try:
-            ids = sched.encode(render)
+            ids = sched.with_tokenizer(render)
         except APIError:
             raise
         except Exception as e:  # the template's own checks (jinja2 raises for roles it does not accept)
