@@ -1,9 +1,10 @@
 """Compile time of the decode programs against depth: AR prefill, the AR decode loop and the DDTree decode loop
-(budget 16, a 1-layer random drafter), for random dense targets of 16 / 32 / 64 layers at small width (compile
-time grows with the number of ops, which the unrolled layer loop multiplies by depth, not with the width). Each
-program is lowered and compiled once, timed apart.
+(budget 16, a 1-layer random drafter), for random targets of 16 / 32 / 64 layers at small width (compile time
+grows with the number of ops, which the unrolled layer loop multiplies by depth, not with the width): dense
+(Qwen3) or hybrid (Qwen3.6's pattern, 3 Gated DeltaNet layers to 1 attention layer). Each program is lowered
+and compiled once, timed apart.
 
-    python bench/compile.py [--layers 16,32,64] [--json FILE]
+    python bench/compile.py [--family dense|hybrid] [--layers 16,32,64] [--json FILE]
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import jaxspec  # noqa: E402
 from jaxspec import engine  # noqa: E402
 from jaxspec.config import dense_config_from_dict  # noqa: E402
 from jaxspec.decoder import Decoder  # noqa: E402
+from jaxspec.models.qwen3_next import hybrid_config_from_dict  # noqa: E402
 from jaxspec.sampling import SamplingParams  # noqa: E402
 
 
@@ -36,15 +38,21 @@ def seconds(jitted, *args, **kw) -> tuple[float, float]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--family", choices=("dense", "hybrid"), default="dense")
     ap.add_argument("--layers", default="16,32,64")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     rows = []
     print("| layers | program | lower s | compile s |\n|---|---|---|---|")
     for n in map(int, args.layers.split(",")):
-        cfg = dense_config_from_dict(dict(model_type="qwen3", vocab_size=4096, hidden_size=256, intermediate_size=512,
-                                          num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=2,
-                                          head_dim=64, max_position_embeddings=4096))
+        shape = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=n,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+        if args.family == "dense":
+            cfg = dense_config_from_dict(dict(shape, model_type="qwen3"))
+        else:
+            cfg = hybrid_config_from_dict(dict(shape, model_type="qwen3_5_text", full_attention_interval=4,
+                                               linear_num_key_heads=2, linear_num_value_heads=4,
+                                               linear_key_head_dim=64, linear_value_head_dim=64))
         m = jaxspec.random_model(cfg, seed=0)
         d = jaxspec.init_drafter(m, num_layers=1, block_size=16, seed=0)
         ar, spec = Decoder(m), Decoder(m, d, method="ddtree", budget=16)
@@ -65,7 +73,8 @@ def main(argv=None) -> None:
             rows.append(dict(layers=n, program=name, lower_s=lower_s, compile_s=compile_s))
             print(f"| {n} | {name} | {lower_s:.1f} | {compile_s:.1f} |", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(backend=jax.default_backend(), rows=rows), indent=2))
+        Path(args.json).write_text(json.dumps(dict(backend=jax.default_backend(), family=args.family, rows=rows),
+                                              indent=2))
 
 
 if __name__ == "__main__":

@@ -13,12 +13,14 @@ one of two ways, and each entry type decides what that means for its own buffers
 
 A KV entry is slot-addressed: the forward writes row b's K/V at slots `length[b] ..`, `advance` has nothing to
 do, and `commit` moves the accepted rows into place (`pallas_kernels.kv_commit`). An MLA latent entry is the
-same with one row per token instead of one per KV head (`latent_commit`). A recurrent entry will fold
-its pending state instead. The conformance tests (tests/test_cache.py) hold every entry type to one promise:
+same with one row per token instead of one per KV head (`latent_commit`). A sliding-window layer keeps a ring
+of its last `window` tokens (`RingKVEntry`) and writes the kept ones into it. A recurrent entry folds its
+pending state instead. The conformance tests (tests/test_cache.py) hold every entry type to one promise:
 verify + commit equals a causal prefill of the accepted tokens.
 
 Every buffer declares logical axis names (`AXES`), the metadata that sharding maps onto a mesh; a
-`seq` axis also tells generic code (and the conformance tests) which slots are committed.
+`seq` axis also tells generic code (and the conformance tests) which slots are committed, a `window` axis that
+the buffer is a ring.
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ class KVEntry:
         return KVEntry(write_rows(self.k, k.transpose(0, 2, 1, 3), length, 2),
                        write_rows(self.v, v.transpose(0, 2, 1, 3), length, 2))
 
-    def advance(self, n) -> "KVEntry":
+    def advance(self, n, length) -> "KVEntry":
         return self  # the appended slots already sit where they belong
 
     def commit(self, path, n, length, impl: str) -> "KVEntry":
@@ -80,12 +82,81 @@ class LatentEntry:
         """New latents [B, N, width] go to row b's slots length[b] .. length[b]+N-1."""
         return LatentEntry(write_rows(self.latent, latent, length, 1))
 
-    def advance(self, n) -> "LatentEntry":
+    def advance(self, n, length) -> "LatentEntry":
         return self
 
     def commit(self, path, n, length, impl: str) -> "LatentEntry":
         """As KVEntry.commit; k_pe was rotated at position length[b] + i already."""
         return LatentEntry(latent_commit(self.latent, path, length, n, impl=impl))
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class RingKVEntry:
+    """K and V of one sliding-window layer in a ring of R = min(window, max_len) slots: committed slot s sits at
+    ring slot s mod R. A query at slot q >= length sees keys at slots > q - window, so the last R committed
+    tokens are all any query can see, and the cache holds window slots per layer instead of max_len.
+
+    A forward keeps its own K/V beside the ring (`pending`): its queries read the ring as it was plus those
+    (`attention.ring_mask`), and advance / commit write only the kept tokens into the ring, overwriting the
+    oldest. Tree nodes that are not accepted never touch it, so no committed slot is lost to them."""
+
+    k: jax.Array  # [B, KVH, R, D]
+    v: jax.Array  # [B, KVH, R, D]
+    window: int = field(metadata=dict(static=True))  # the layer's window (R when max_len allows)
+    pending: tuple[jax.Array, jax.Array] | None = None  # this forward's k, v [B, N, KVH, D]
+    AXES: ClassVar[dict[str, tuple[str, ...]]] = {"k": ("batch", "kv_heads", "window", "head_dim"),
+                                                  "v": ("batch", "kv_heads", "window", "head_dim")}
+
+    @staticmethod
+    def init(batch: int, max_len: int, window: int, num_kv_heads: int, head_dim: int, dtype) -> "RingKVEntry":
+        R = min(window, max_len)
+        return RingKVEntry(*(jnp.zeros((batch, num_kv_heads, R, head_dim), dtype) for _ in range(2)), window)
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[2]
+
+    def write(self, k: jax.Array, v: jax.Array, length) -> "RingKVEntry":
+        """New k, v [B, N, KVH, D], kept as pending until advance or commit."""
+        return replace(self, pending=(k, v))
+
+    def advance(self, n, length) -> "RingKVEntry":
+        """Keep the first n[b] pending tokens of row b as slots length[b] ..."""
+        k, v = self.pending
+        n = jnp.broadcast_to(jnp.asarray(n, jnp.int32), length.shape)
+        return RingKVEntry(_ring_put(self.k, k, length, n), _ring_put(self.v, v, length, n), self.window)
+
+    def commit(self, path, n, length, impl: str) -> "RingKVEntry":
+        """Row b's pending node path[b, i] -> slot length[b] + i for i < n[b] (`impl` names the slot-addressed
+        entries' kernel; a ring's write is one scatter)."""
+        def take(x):  # [B, N, KVH, D] -> the path's nodes [B, P, KVH, D]
+            return jnp.take_along_axis(x, path[:, :, None, None], axis=1)
+
+        k, v = self.pending
+        return RingKVEntry(_ring_put(self.k, take(k), length, n), _ring_put(self.v, take(v), length, n), self.window)
+
+    def rering(self, length, shift, max_len: int) -> "RingKVEntry":
+        """The ring for a cache of `max_len` slots per row whose committed length is `length` [B], where new slot
+        s holds what old slot s + shift[b] held (Cache.reslot, put_rows)."""
+        R = min(self.window, max_len)
+        s = length[:, None] - 1 - jnp.mod(length[:, None] - 1 - jnp.arange(R)[None, :], R)  # [B, R] slot held
+        old = jnp.mod(s + shift[:, None], self.slots)[:, None, :, None]
+        return RingKVEntry(*(jnp.take_along_axis(x, old, axis=2) for x in (self.k, self.v)), self.window)
+
+
+def _ring_put(ring, x, length, n):
+    """ring [B, KVH, R, D] with row b's x[b, i] ([B, M, KVH, D]) written as slot length[b] + i for i < n[b]; when
+    n[b] > R only the last R of them (one scatter, no slot written twice)."""
+    R = ring.shape[2]
+    i = jnp.arange(x.shape[1])[None, :]
+    keep = (i < n[:, None]) & (i >= n[:, None] - R)
+    slot = jnp.where(keep, jnp.mod(length[:, None] + i, R), R)  # [B, M]; R: dropped
+
+    def one(r, s, xb):  # r [KVH, R, D], s [M], xb [M, KVH, D]
+        return r.at[:, s].set(xb.transpose(1, 0, 2).astype(r.dtype), mode="drop")
+
+    return jax.vmap(one)(ring, slot, x)
 
 
 @jax.tree_util.register_dataclass
@@ -105,7 +176,7 @@ class Cache:
 
     def advance(self, n) -> "Cache":
         """Keep the first n appended tokens: n [] or [B] (traced is fine)."""
-        return replace(self, layers=tuple(e.advance(n) for e in self.layers), length=self.length + n)
+        return replace(self, layers=tuple(e.advance(n, self.length) for e in self.layers), length=self.length + n)
 
     def commit(self, path, n, *, impl: str = "xla") -> "Cache":
         """Keep each row's tree nodes path[b, :n[b]] in order (path [B, P] int32, or [P] shared by every row;
@@ -136,16 +207,19 @@ class Cache:
             pad[axis] = (max_len, max_len)  # every shift in [-max_len, T] stays inside
             return jax.lax.dynamic_slice_in_dim(jnp.pad(x, pad), shift + max_len, max_len, axis=axis)
 
-        layers = tuple(_map_buffers(e, lambda x, axes: move(x, axes.index("seq")) if "seq" in axes else x)
+        length = self.length - shift
+        layers = tuple(e.rering(length, jnp.broadcast_to(shift, length.shape), max_len) if isinstance(e, RingKVEntry)
+                       else _map_buffers(e, lambda x, axes: move(x, axes.index("seq")) if "seq" in axes else x)
                        for e in self.layers)
-        return replace(self, layers=layers, length=self.length - shift, start=self.start - shift, max_len=max_len)
+        return replace(self, layers=layers, length=length, start=self.start - shift, max_len=max_len)
 
     def put_rows(self, rows, new: "Cache") -> "Cache":
         """Rows `rows` [R] replaced by the R rows of `new`, a freshly prefilled cache of new.max_len ==
         new.length slots: new row r's slots land so that it ends where row rows[r]'s committed tokens end
         (continuous batching keeps AR rows in lockstep). Rows past the batch (padding of `rows` to a fixed R)
         are dropped. Needs new.length <= length (reslot first)."""
-        offset = self.length[jnp.minimum(rows, self.length.shape[0] - 1)] - new.length  # [R]
+        ends = self.length[jnp.minimum(rows, self.length.shape[0] - 1)]  # [R]
+        offset = ends - new.length
 
         def put(x, y, axes):
             if "seq" not in axes:
@@ -153,7 +227,13 @@ class Cache:
             fresh = jnp.zeros((y.shape[0], *x.shape[1:]), x.dtype)  # slots before the prompt stay hidden by start
             return x.at[rows].set(write_rows(fresh, y, offset, axes.index("seq")), mode="drop")
 
-        layers = tuple(_map_buffers(e, put, n) for e, n in zip(self.layers, new.layers))
+        def put_ring(e, n):  # new's ring turned so that its slots sit where the rows' slots end
+            ring = n.rering(ends, -offset, self.max_len)
+            return replace(e, k=e.k.at[rows].set(ring.k.astype(e.k.dtype), mode="drop"),
+                           v=e.v.at[rows].set(ring.v.astype(e.v.dtype), mode="drop"))
+
+        layers = tuple(put_ring(e, n) if isinstance(e, RingKVEntry) else _map_buffers(e, put, n)
+                       for e, n in zip(self.layers, new.layers))
         return replace(self, layers=layers, start=self.start.at[rows].set(new.start + offset, mode="drop"))
 
     def logical_axes(self) -> "Cache":

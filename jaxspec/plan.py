@@ -18,7 +18,7 @@ Per device:
     --quantize` counts as its `packing.json` records (it cannot be repacked, so another `--quantize` is
     refused, as `jaxspec.load` refuses it). Counted as jaxspec keeps them (models/quant.py): int8 one byte
     per code, int4 two codes per byte, scales (and offsets) in the model's dtype.
-  * caches: init_cache(batch, max_len) as jaxspec allocates it (sliding-window layers keep the full length).
+  * caches: init_cache(batch, max_len) as jaxspec allocates it (sliding-window layers keep a ring of their window).
   * verify scratch for N = 1 + budget tree nodes, an estimate of what one verify forward holds at its peak:
     float32 logits [B, N, V] (replicated: acceptance reads the whole row) + one layer's activations
     (hidden [B, N, H] x 4, the MLP's [B, N, F / tp] x 3, float32 attention scores [B, heads / tp, N, max_len + N])

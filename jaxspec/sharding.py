@@ -44,7 +44,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 MESH_AXES = ("dp", "tp")
 TP_SPLIT = ("tp_kv", "tp_rep")  # tp as a layout's view splits it where KV heads are fewer than tp
 
-_COMMON = {"batch": "dp", "seq": None, "vocab": "tp", "embed": None, "q_heads": "tp", "kv_heads": "tp",
+_COMMON = {"batch": "dp", "seq": None, "window": None, "vocab": "tp", "embed": None, "q_heads": "tp", "kv_heads": "tp",
            "head_dim": None, "ffn": "tp", "tap_embed": None}
 RULES: dict[str, Mapping[str, str | None]] = {
     "dense": _COMMON,

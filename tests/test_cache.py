@@ -7,11 +7,13 @@ a tree that ends exactly at the end of the cache, and a 32-node chain with side 
 lookup copy, which reaches past the drafter's block). Right padding in a prefill is never committed.
 
 Written once for every family: a new family adds its tiny targets to `TARGETS` (the comparison reads the
-cache's logical axes: buffers with a `seq` axis are compared over the committed slots only, every other
-buffer, e.g. a recurrent state, in full).
+cache's logical axes: buffers with a `seq` axis are compared over the committed slots only, rings (a `window`
+axis) over the committed slots they still hold, in slot order, every other buffer, e.g. a recurrent state, in
+full). Sliding-window layers' rings are also held to the full-length buffers they replace.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -21,6 +23,7 @@ import pytest
 from flax import nnx
 
 import jaxspec
+from jaxspec.cache import KVEntry, RingKVEntry
 from jaxspec.config import dense_config_from_dict
 from jaxspec.models.deepseek import deepseek_config_from_dict
 from jaxspec.models.gemma4 import gemma4_config_from_dict
@@ -107,7 +110,7 @@ def random_tree(rng, n):
 
 def committed_view(cache):
     """Every buffer of every row of the cache, restricted to the row's committed slots where it has a `seq`
-    axis."""
+    axis, and for a ring (`window` axis of R slots) to the last R committed slots, oldest first."""
     out = []
     axes = jax.tree.leaves(cache.logical_axes().layers, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     length = np.asarray(cache.length)
@@ -115,6 +118,10 @@ def committed_view(cache):
         for b, row in enumerate(np.asarray(leaf)):
             if "seq" in spec:
                 row = np.take(row, np.arange(length[b]), axis=tuple(spec).index("seq") - 1)
+            if "window" in spec:
+                axis = tuple(spec).index("window") - 1
+                R = row.shape[axis]
+                row = np.take(row, np.arange(max(0, length[b] - R), length[b]) % R, axis=axis)
             out.append(row)
     return out
 
@@ -255,8 +262,8 @@ def test_grow_keeps_the_committed_cache(target):
                                rtol=0, atol=ATOL)
 
 
-AXES = {"batch", "seq", "vocab", "embed", "q_heads", "kv_heads", "head_dim", "ffn", "experts", "layers", "tap_embed",
-        "latent", "q_latent", "shared_gate", "gdn_heads", "gdn_key_heads", "gdn_key_dim", "gdn_value_dim",
+AXES = {"batch", "seq", "window", "vocab", "embed", "q_heads", "kv_heads", "head_dim", "ffn", "experts", "layers",
+        "tap_embed", "latent", "q_latent", "shared_gate", "gdn_heads", "gdn_key_heads", "gdn_key_dim", "gdn_value_dim",
         "conv_kernel", "per_layer"}
 
 
@@ -269,3 +276,106 @@ def test_logical_axes(target):
     specs = jax.tree.leaves(cache.logical_axes(), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     for leaf, spec in zip(jax.tree.leaves(cache), specs, strict=True):
         assert len(spec) == np.ndim(leaf) and set(spec) <= AXES, (spec, np.shape(leaf))
+
+
+RINGED = ["gemma3", "gemma4_shared_kv"]
+
+
+def full_length(cache):
+    """The same cache with every ring replaced by the full-length, slot-addressed buffer it stands for (the
+    attention then applies the window as a mask, models/attention.sliding): the independent reference."""
+    B = cache.length.shape[0]
+    return cache.__class__(tuple(KVEntry.init(B, cache.max_len, e.k.shape[1], e.k.shape[3], e.k.dtype)
+                                 if isinstance(e, RingKVEntry) else e for e in cache.layers),
+                           cache.length, cache.start, cache.max_len)
+
+
+def assert_ring_holds(ring_cache, full_cache):
+    """Every ring holds the full buffer's last R committed slots of each row (left padding aside)."""
+    length, start = np.asarray(full_cache.length), np.asarray(full_cache.start)
+    for r, f in zip(ring_cache.layers, full_cache.layers, strict=True):
+        if not isinstance(r, RingKVEntry):
+            continue
+        R = r.slots
+        for b in range(length.shape[0]):
+            s = np.arange(max(start[b], length[b] - R), length[b])
+            for x, y in ((r.k, f.k), (r.v, f.v)):
+                np.testing.assert_allclose(np.asarray(x)[b][:, s % R], np.asarray(y)[b][:, s], rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("name", RINGED)
+def test_ring_equals_full_length_buffer(name):
+    """Sliding layers' rings against full-length buffers, through a prefill three windows long, two tree verifies
+    whose commits wrap the ring (a path longer than the window, then a random one) and a decode: the same logits
+    at every forward, and each ring holds the full buffer's last window."""
+    model = jaxspec.random_model(TARGETS[name](), seed=2)
+    rng = np.random.default_rng(5)
+    V = model.config.vocab_size
+    prefix = rng.integers(0, V, 13)
+    ring = model.module.init_cache(1, 64)
+    assert any(isinstance(e, RingKVEntry) and e.slots == 4 for e in ring.layers)
+    caches = [ring, full_length(ring)]
+
+    def step(tokens, segment, commit=None):
+        outs = [forward(model.graphdef, model.params, jnp.asarray(tokens, jnp.int32)[None], segment, c) for c in caches]
+        np.testing.assert_allclose(np.asarray(outs[0][0]), np.asarray(outs[1][0]), rtol=0, atol=LOGIT_ATOL)
+        caches[:] = [commit(o[2]) for o in outs]
+        assert_ring_holds(*caches)
+
+    step(prefix, Segment.causal(jnp.arange(13, dtype=jnp.int32)[None]), lambda c: c.advance(13))
+    for path_kind in ("deepest", "random"):
+        parents, depth, vis = chain_tree(rng, 6, 5) if path_kind == "deepest" else random_tree(rng, NODES)
+        L = int(caches[0].length[0])
+        last = int(np.argmax(depth)) if path_kind == "deepest" else int(rng.integers(1, len(parents)))
+        path = np.flatnonzero(vis[last])
+        padded = np.zeros(len(parents), np.int32)
+        padded[: len(path)] = path
+        segment = Segment(positions=jnp.asarray(L + depth, jnp.int32)[None], visible=jnp.asarray(vis)[None],
+                          parents=jnp.asarray(parents, jnp.int32)[None],
+                          lengths=jnp.full((1,), len(parents), jnp.int32))
+        step(rng.integers(0, V, len(parents)), segment,
+             lambda c, p=padded, n=len(path): c.commit(jnp.asarray(p), jnp.int32(n)))
+    L = int(caches[0].length[0])
+    step(rng.integers(0, V, 1), Segment.causal(jnp.full((1, 1), L, jnp.int32)), lambda c: c.advance(1))
+
+
+@pytest.mark.parametrize("name", RINGED)
+def test_ring_moves_with_the_cache(name):
+    """Cache.grow past the window (the ring widens from max_len to the window), reslot (a shift left) and
+    put_rows (a fresh prefill placed to end where a row ends, continuous batching) keep each ring equal to
+    the full-length buffer they stand for, and the next forward's logits equal the full buffer's."""
+    cfg = TARGETS[name]()
+    cfg = dataclasses.replace(cfg, sliding_window=12)
+    model = jaxspec.random_model(cfg, seed=3)
+    rng = np.random.default_rng(6)
+    V = model.config.vocab_size
+    ids = rng.integers(0, V, (2, 7))
+    start = jnp.asarray([0, 2], jnp.int32)
+
+    def run(cache, tokens, n):
+        B, N = tokens.shape
+        pos = jnp.maximum((cache.length - cache.start)[:, None] + jnp.arange(N)[None], 0)
+        logits, _, pending = forward(model.graphdef, model.params, jnp.asarray(tokens, jnp.int32), Segment.causal(pos),
+                                     cache)
+        return logits, pending.advance(n)
+
+    ring = model.module.init_cache(2, 8).with_start(start)  # max_len 8 < window 12: rings of 8
+    assert {e.slots for e in ring.layers if isinstance(e, RingKVEntry)} == {8}
+    caches = [run(c, ids, 7)[1] for c in (ring, full_length(ring))]
+    caches = [c.grow(40) for c in caches]  # rings of 12
+    assert {e.slots for e in caches[0].layers if isinstance(e, RingKVEntry)} == {12}
+    assert_ring_holds(*caches)
+    more = rng.integers(0, V, (2, 9))
+    caches = [run(c, more, 9)[1] for c in caches]  # 16 committed: the rings have wrapped
+    assert_ring_holds(*caches)
+    caches = [c.reslot(3, 40) for c in caches]
+    assert_ring_holds(*caches)
+    fresh_ids = rng.integers(0, V, (2, 6))
+    empty = model.module.init_cache(2, 6)
+    fresh = [run(c, fresh_ids, 6)[1] for c in (empty, full_length(empty))]
+    caches = [c.put_rows(jnp.asarray([1, 5]), f) for c, f in zip(caches, fresh)]  # row 5: padding, dropped
+    assert_ring_holds(*caches)
+    nxt = rng.integers(0, V, (2, 3))
+    outs = [run(c, nxt, 3) for c in caches]
+    np.testing.assert_allclose(np.asarray(outs[0][0]), np.asarray(outs[1][0]), rtol=0, atol=LOGIT_ATOL)
+    assert_ring_holds(outs[0][1], outs[1][1])

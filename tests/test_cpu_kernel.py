@@ -307,12 +307,12 @@ def test_tiled_lm_head_over_a_draft_vocabulary():
 
 def attention_f64(q, k_old, v_old, k_new, v_new, length, mask, scale, softcap):
     """Float64 reference of the cache attention: old slot j seen when j < length and mask[j], new key i when
-    mask[s0 + i] (s0 = length clamped to T - N, as XLA's dynamic slice does); nothing seen: the mean of all
-    T + N values (a -1e30 fill's softmax)."""
+    mask[s0 + i] (s0 = length clamped to M - N for a mask of M columns, as XLA's dynamic slice does); nothing
+    seen: the mean of all T + N values (a -1e30 fill's softmax)."""
     q, k_old, v_old, k_new, v_new = (np.asarray(x, np.float64) for x in (q, k_old, v_old, k_new, v_new))
     B, N, H, D = q.shape
     KVH, T = k_old.shape[1], k_old.shape[2]
-    s0 = min(max(length, 0), T - N)
+    s0 = min(max(length, 0), mask.shape[-1] - N)
     out = np.zeros_like(q)
     for b in range(B):
         for n in range(N):
@@ -333,21 +333,23 @@ def attention_f64(q, k_old, v_old, k_new, v_new, length, mask, scale, softcap):
 
 
 @needs_kernel
-@pytest.mark.parametrize("B,N,H,KVH,T,D,length,softcap", [
-    (1, 1, 9, 3, 256, 64, 150, None),     # a decode step: dot products as stored
-    (1, 9, 9, 3, 256, 64, 150, None),     # a 9-node verify: keys transposed, 4-row groups with a tail
-    (2, 33, 8, 2, 300, 48, 250, 5.0),     # batch rows over threads, softcap, keys past a 16-lane vector
-    (1, 5, 4, 4, 64, 128, 62, None),      # length + N > T: the new keys' mask columns clamp
-    (3, 4, 6, 2, 32, 16, 0, None),        # an empty cache
+@pytest.mark.parametrize("B,N,H,KVH,T,D,length,softcap,ring", [
+    (1, 1, 9, 3, 256, 64, 150, None, False),     # a decode step: dot products as stored
+    (1, 9, 9, 3, 256, 64, 150, None, False),     # a 9-node verify: keys transposed, 4-row groups with a tail
+    (2, 33, 8, 2, 300, 48, 250, 5.0, False),     # batch rows over threads, softcap, keys past a 16-lane vector
+    (1, 5, 4, 4, 64, 128, 62, None, False),      # length + N > T: the new keys' mask columns clamp
+    (3, 4, 6, 2, 32, 16, 0, None, False),        # an empty cache
+    (2, 9, 4, 2, 16, 32, 16, None, True),        # a ring: mask [B, N, T + N], new keys past every slot
+    (1, 40, 4, 2, 16, 32, 16, None, True),       # a ring shorter than the forward (a long prefill)
 ])
-def test_cache_attention_equals_float64(B, N, H, KVH, T, D, length, softcap):
+def test_cache_attention_equals_float64(B, N, H, KVH, T, D, length, softcap, ring):
     """The kernel against a float64 softmax attention, with a random visibility mask that hides some rows
     entirely (padding rows: the mean of every value) and shows the others a random subset."""
     rng = np.random.default_rng(N * 100 + T)
     q = rng.normal(size=(B, N, H, D)).astype(np.float32)
     k_old, v_old = (rng.normal(size=(B, KVH, T, D)).astype(np.float32) for _ in range(2))
     k_new, v_new = (rng.normal(size=(B, N, KVH, D)).astype(np.float32) for _ in range(2))
-    mask = rng.random((B, N, T)) < 0.7
+    mask = rng.random((B, N, T + N if ring else T)) < 0.7
     if B * N > 1:  # a decode step's only row keeps its scores tested
         mask[0, 0] = False
     unused = lambda *a: jnp.full(a[0].shape, jnp.nan)  # noqa: E731  (the XLA branch, not taken on a CPU)

@@ -15,7 +15,7 @@ from flax import nnx
 import jaxspec
 from jaxspec import kernels
 from jaxspec.kernels import gpu, xla
-from jaxspec.models.attention import cache_mask, sliding
+from jaxspec.models.attention import cache_mask, ring_mask, sliding
 from jaxspec.models.qwen3_next import HybridLM, hybrid_config_from_dict
 from jaxspec.segment import Segment
 from jaxspec.testing import oracle_drafter
@@ -63,6 +63,29 @@ def test_cache_attention_matches_reference(T, N, lengths, starts, tree, window, 
     k_new, v_new = (jax.random.normal(k, (B, N, KVH, D)) for k in ks[3:5])
     want = xla.cache_attention(q, k_old, v_old, k_new, v_new, length, mask, 0.3, softcap)
     got = jax.jit(gpu.cache_attention, static_argnums=(7, 8))(q, k_old, v_old, k_new, v_new, length, mask, 0.3, softcap)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("R,N,lengths,starts,tree", [
+    (64, 1, [200, 30], [0, 5], False),  # AR steps: one ring wrapped, one not yet full
+    (64, 9, [64, 70], [3, 0], True),  # a tree verify as the ring fills and just after it wrapped
+    (32, 80, [0, 40], [0, 0], False),  # a prefill chunk longer than the ring
+])
+def test_cache_attention_over_a_ring_matches_reference(R, N, lengths, starts, tree):
+    """A sliding layer's ring (mask [B, N, R + N] from ring_mask, length clipped to R) on the GPU path against
+    the reference form."""
+    B, H, KVH, D = 2, 8, 2, 16
+    length, _ = case(B, N, 256, lengths, starts, tree)
+    visible = jnp.broadcast_to(jnp.tril(jnp.ones((N, N), bool)), (B, N, N))
+    positions = (length - jnp.asarray(starts, jnp.int32))[:, None] + jnp.arange(N)[None]
+    mask = ring_mask(positions, length, jnp.asarray(starts, jnp.int32), visible, R, R)
+    used = jnp.minimum(length, R)
+    ks = jax.random.split(jax.random.key(R + N), 5)
+    q = jax.random.normal(ks[0], (B, N, H, D))
+    k_old, v_old = (jax.random.normal(k, (B, KVH, R, D)) for k in ks[1:3])
+    k_new, v_new = (jax.random.normal(k, (B, N, KVH, D)) for k in ks[3:5])
+    want = xla.cache_attention(q, k_old, v_old, k_new, v_new, used, mask, 0.3)
+    got = jax.jit(gpu.cache_attention, static_argnums=(7,))(q, k_old, v_old, k_new, v_new, used, mask, 0.3)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
 

@@ -348,10 +348,10 @@ ATTENTION_ROWS = 64
 
 def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, softcap: float | None, xla):
     """Attention of q [B, N, H, D] over the cache k_old, v_old [B, KVH, T, D] (row b's slots < length[b]) and this
-    forward's k_new, v_new [B, N, KVH, D], mask [B, N, T] over the written cache -> [B, N, H, D], on the kernel
-    where it may run here (float32, N <= ATTENTION_ROWS, D a multiple of 16, no multi-device mesh), else
-    `xla(...)` on the same arguments (attention.attend_and_write's reference form). The kernel reads only the
-    committed slots, where XLA's products and softmax run over the whole buffer."""
+    forward's k_new, v_new [B, N, KVH, D], mask [B, N, M] over the written cache (M = T, or T + N for a ring) ->
+    [B, N, H, D], on the kernel where it may run here (float32, N <= ATTENTION_ROWS, D a multiple of 16, no
+    multi-device mesh), else `xla(...)` on the same arguments (attention.attend_and_write's reference form). The
+    kernel reads only the committed slots, where XLA's products and softmax run over the whole buffer."""
     args = (q, k_old, v_old, k_new, v_new, length, mask)
     if not (all(x.dtype == jnp.float32 for x in args[:5]) and q.shape[1] <= ATTENTION_ROWS
             and q.shape[-1] % 16 == 0 and usable(q, k_old, v_old)):

@@ -836,8 +836,8 @@ ffi::Error Argmax(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> y) {
 
 // Attention of N new tokens over a KV cache: o [B, N, H, D] from q [B, N, H, D], the cache k_old, v_old
 // [B, KVH, T, D] (row b's slots < length[b] committed), this forward's k_new, v_new [B, N, KVH, D] and mask
-// [B, N, T] over the written cache (old slot j visible when j < length[b] and mask[j]; new key i when
-// mask[s0 + i], s0 = clamp(length[b], 0, T - N)). Query head h reads KV head h / (H / KVH). Scores are q.k * scale (then
+// [B, N, M] over the written cache, M = T or T + N for a ring (old slot j visible when j < length[b] and
+// mask[j]; new key i when mask[s0 + i], s0 = clamp(length[b], 0, M - N)). Query head h reads KV head h / (H / KVH). Scores are q.k * scale (then
 // softcap * tanh(. / softcap) when softcap > 0), softmax in float32; a row that sees nothing averages all
 // T + N values (what a finite -1e30 fill gives; only padding rows). Reference: attention.attend_and_write's
 // XLA form. Why it exists: XLA:CPU spends several small batched products, transposes and a softmax over
@@ -860,7 +860,7 @@ struct Attn {
   const bool* mask;
   const int32_t* length;  // [B]
   float* o;
-  int64_t B, N, H, KVH, T, D;
+  int64_t B, N, H, KVH, T, D, M;  // M: the mask's columns
   float scale, softcap;
 };
 
@@ -892,7 +892,7 @@ inline __m512 sum16(const __m512 (&v)[16]) {
 }
 
 void attend_head(const Attn& a, int64_t b, int64_t kvh, int64_t r_lo, int64_t r_hi, AttnScratch& w) {
-  const int64_t G = a.H / a.KVH, L = std::clamp<int64_t>(a.length[b], 0, a.T), s0 = std::clamp<int64_t>(a.length[b], 0, a.T - a.N);
+  const int64_t G = a.H / a.KVH, L = std::clamp<int64_t>(a.length[b], 0, a.T), s0 = std::clamp<int64_t>(a.length[b], 0, a.M - a.N);
   const int64_t D = a.D, N = a.N, S = L + N, SP = (S + 31) / 32 * 32, R = r_hi - r_lo;
   const float* kc = a.k_old + (b * a.KVH + kvh) * a.T * D;
   const float* vc = a.v_old + (b * a.KVH + kvh) * a.T * D;
@@ -902,7 +902,7 @@ void attend_head(const Attn& a, int64_t b, int64_t kvh, int64_t r_lo, int64_t r_
   w.vis.resize(N * SP);
   w.empty.assign(R, 0);
   for (int64_t n = 0; n < N; ++n) {  // which of the S keys token n sees
-    const bool* m = a.mask + (b * N + n) * a.T;
+    const bool* m = a.mask + (b * N + n) * a.M;
     uint8_t* v = w.vis.data() + n * SP;
     for (int64_t j = 0; j < L; ++j) v[j] = m[j];
     for (int64_t i = 0; i < N; ++i) v[L + i] = m[s0 + i];
@@ -1028,14 +1028,14 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   if (qd.size() != 4 || kd.size() != 4 || nd.size() != 4 || md.size() != 3 ||
       length.element_count() != static_cast<size_t>(qd[0]) ||
       kd[0] != qd[0] || kd[1] == 0 || qd[2] % kd[1] || kd[3] != qd[3] || nd[0] != qd[0] || nd[1] != qd[1] ||
-      nd[2] != kd[1] || nd[3] != qd[3] || md[0] != qd[0] || md[1] != qd[1] || md[2] != kd[2] ||
-      v_old.element_count() != k_old.element_count() || v_new.element_count() != k_new.element_count() || kd[2] < nd[1])
+      nd[2] != kd[1] || nd[3] != qd[3] || md[0] != qd[0] || md[1] != qd[1] || md[2] < kd[2] ||
+      v_old.element_count() != k_old.element_count() || v_new.element_count() != k_new.element_count() || md[2] < nd[1])
     return ffi::Error::InvalidArgument("cache_attention: expects q [B, N, H, D], k/v_old [B, KVH, T, D], "
-                                       "k/v_new [B, N, KVH, D], mask [B, N, T], length [B] with KVH | H and N <= T");
+                                       "k/v_new [B, N, KVH, D], mask [B, N, M], length [B] with KVH | H and T, N <= M");
   if (qd[3] % 16) return ffi::Error::InvalidArgument("cache_attention: head_dim must be a multiple of 16");
   Attn a{q.typed_data(), k_old.typed_data(), v_old.typed_data(), k_new.typed_data(), v_new.typed_data(),
-         mask.typed_data(), length.typed_data(), o->typed_data(), qd[0], qd[1], qd[2], kd[1], kd[2], qd[3], scale,
-         softcap};
+         mask.typed_data(), length.typed_data(), o->typed_data(), qd[0], qd[1], qd[2], kd[1], kd[2], qd[3], md[2],
+         scale, softcap};
   if (a.B * a.N * a.H == 0) return ffi::Error::Success();
   int64_t longest = 0;
   for (int64_t b = 0; b < a.B; ++b) longest = std::max<int64_t>(longest, std::clamp<int64_t>(a.length[b], 0, a.T));

@@ -95,8 +95,9 @@ def _blocks(carry, n_blocks, bs, qg, k, v, mask, G, scale, softcap, valid=None):
 
 def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, softcap: float | None = None):
     """xla.cache_attention reading only row b's committed slots < length[b] (blocks up to the batch's longest) and
-    this forward's keys: q [B, N, H, D]; k_old, v_old [B, KVH, T, D]; k_new, v_new [B, N, KVH, D]; mask [B, N, T]
-    over the written cache (new key i at column clip(length[b], 0, T - N) + i) -> [B, N, H, D]."""
+    this forward's keys: q [B, N, H, D]; k_old, v_old [B, KVH, T, D]; k_new, v_new [B, N, KVH, D]; mask [B, N, M]
+    over the written cache (M = T, or T + N for a ring; new key i at column clip(length[b], 0, M - N) + i) ->
+    [B, N, H, D]."""
     B, N, H, D = q.shape
     KVH, T = k_old.shape[1], k_old.shape[2]
     G = H // KVH
@@ -106,7 +107,7 @@ def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, s
     used = jnp.clip(length, 0, T)
     carry = _blocks(_start(B, KVH, G * N, D), (used.max() + bs - 1) // bs, bs, qg, k_old, v_old, mask, G, scale,
                     softcap, valid=lambda slots: (slots[None, :] < used[:, None])[:, None, :])
-    s0 = jnp.clip(length, 0, T - N)
+    s0 = jnp.clip(length, 0, mask.shape[-1] - N)
     own = jnp.take_along_axis(mask, jnp.broadcast_to((s0[:, None] + jnp.arange(N))[:, None, :], (B, N, N)), axis=2)
     kn, vn = k_new.transpose(0, 2, 1, 3).astype(k_old.dtype), v_new.transpose(0, 2, 1, 3).astype(v_old.dtype)
     _, tot, acc = _update(carry, _scores(qg, kn, own, G, scale, softcap), vn)

@@ -68,13 +68,17 @@ def latent_attention(q, latent, mask, scale: float, value_dim: int):
 def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, softcap: float | None = None):
     """Softmax attention (float32) of q [B, N, H, D] over the committed slots of the cache k_old, v_old
     [B, KVH, T, D] (row b's slot t where t < length[b] and mask[b, :, t]) and this forward's k_new, v_new
-    [B, N, KVH, D] (new key i where mask[b, :, s0 + i], s0 = clip(length[b], 0, T - N)) -> [B, N, H, D].
+    [B, N, KVH, D] (new key i where mask[b, :, s0 + i], s0 = clip(length[b], 0, M - N)) -> [B, N, H, D].
 
-    The new keys sit beside the cache instead of being written first: the caller writes them after this read,
-    so XLA updates the buffer in place (attention.attend_and_write). Each KV head's query group is one
-    [G * N, D] matrix, so both products are plain batched matmuls over (row, KV head)."""
+    mask [B, N, M] is laid out over the written cache: M = T for a slot-addressed cache (the new keys' columns
+    are the slots they are written to), M = T + N for a ring (`cache.RingKVEntry`), whose new keys never share
+    a column with a committed slot. The new keys sit beside the cache instead of being written first: the
+    caller writes them after this read, so XLA updates the buffer in place (attention.attend_and_write). Each
+    KV head's query group is one [G * N, D] matrix, so both products are plain batched matmuls over (row, KV
+    head)."""
     B, N, H, D = q.shape
     KVH, T = k_old.shape[1], k_old.shape[2]
+    M = mask.shape[-1]
     G = H // KVH
     qg = q.reshape(B, N, KVH, G, D).transpose(0, 2, 3, 1, 4).reshape(B, KVH, G * N, D)
     kn, vn = k_new.transpose(0, 2, 1, 3).astype(k_old.dtype), v_new.transpose(0, 2, 1, 3).astype(v_old.dtype)
@@ -84,8 +88,8 @@ def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, s
     if softcap:
         s = softcap * jnp.tanh(s / softcap)
     length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), (B,))
-    old = mask & (jnp.arange(T)[None, :] < length[:, None])[:, None, :]
-    s0 = jnp.clip(length, 0, T - N)
+    old = mask[..., :T] & (jnp.arange(T)[None, :] < length[:, None])[:, None, :]
+    s0 = jnp.clip(length, 0, M - N)
     new = jnp.take_along_axis(mask, jnp.broadcast_to((s0[:, None] + jnp.arange(N))[:, None, :], (B, N, N)), axis=2)
     s = jnp.where(jnp.concatenate([old, new], -1)[:, None, None], s, NEG_INF)
     p = jax.nn.softmax(s, axis=-1).astype(v_old.dtype).reshape(B, KVH, G * N, T + N)

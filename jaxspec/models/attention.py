@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec import kernels
-from jaxspec.cache import KVEntry
+from jaxspec.cache import Cache, KVEntry, RingKVEntry
 from jaxspec.config import RopeConfig
 from jaxspec.models.layers import Linear, RMSNorm, apply_rope, project, rope_inv_freq
 
@@ -59,6 +59,36 @@ def cache_mask(positions, length, start, visible, max_len):
     return mask, key_pos
 
 
+def ring_mask(positions, length, start, visible, slots: int, window: int):
+    """Visibility for a sliding-window layer's ring (cache.RingKVEntry) of `slots` slots: mask [B, N, slots + N]
+    as kernels.cache_attention takes it with length min(length, slots). Column j is ring slot j, which holds
+    committed slot s = length - 1 - ((length - 1 - j) mod slots) (s < start: empty or padding); new token i is
+    column min(length, slots) + i. Both restricted to the window; arguments as cache_mask's."""
+    B, N = positions.shape
+    L, first = length[:, None], start[:, None]
+    s = L - 1 - jnp.mod(L - 1 - jnp.arange(slots)[None, :], slots)  # [B, slots]
+    old = (s >= first)[:, None, :] & (positions[:, :, None] - (s - first)[:, None, :] < window)  # [B, N, slots]
+    real = (L + jnp.arange(N)[None, :]) >= first  # [B, N]: left padding is never visible
+    own = visible & real[:, None, :] & (positions[:, :, None] - positions[:, None, :] < window)  # [B, N, N]
+    used = jnp.minimum(length, slots)[:, None]
+    col = jnp.arange(slots + N)[None, :]
+    i = col - used  # [B, slots + N]: index into the new tokens
+    new = jnp.take_along_axis(own, jnp.broadcast_to(jnp.clip(i, 0, N - 1)[:, None, :], (B, N, slots + N)), axis=2)
+    old = jnp.pad(old, ((0, 0), (0, 0), (0, N))) & (col < used)[:, None, :]
+    return jnp.where(((i >= 0) & (i < N))[:, None, :], new, old)
+
+
+def masks(segment, cache: Cache):
+    """A forward's masks: cache_mask's (mask [B, N, T], key positions [B, T]) for slot-addressed entries, and
+    ring_mask's for the cache's ring entries (None without any; a model's rings share one window)."""
+    mask, key_pos = cache_mask(segment.positions, cache.length, cache.start, segment.visible, cache.max_len)
+    rings = {(e.slots, e.window) for e in cache.layers if isinstance(e, RingKVEntry)}
+    assert len(rings) <= 1, rings
+    ring = (ring_mask(segment.positions, cache.length, cache.start, segment.visible, *rings.pop()) if rings
+            else None)
+    return mask, key_pos, ring
+
+
 def sliding(mask, positions, key_pos, window):
     """Restrict a mask to keys within `window` positions (the window counts the query itself)."""
     return mask & (positions[:, :, None] - key_pos[:, None, :] < window)
@@ -81,6 +111,15 @@ def attend_and_write(q, entry: KVEntry, k_new, v_new, length, mask, scale, softc
     place: no copies."""
     o = attend_cache(q, entry.k, entry.v, k_new, v_new, length, mask, scale, softcap)
     after = (o[0, 0, 0, 0] * 0).astype(k_new.dtype)  # 0 (NaN only if o is): a data dependence on the read
+    return o, entry.write(k_new + after, v_new + after, length)
+
+
+def attend_ring(q, entry: RingKVEntry, k_new, v_new, length, mask, scale, softcap=None):
+    """`attend` q over a ring entry's slots plus this forward's k_new, v_new [B, N, KVH, D] (mask from ring_mask),
+    and the entry with them pending. The pending keys depend on the attention's output, as in attend_and_write,
+    so the ring's later in-place write comes after this read."""
+    o = attend_cache(q, entry.k, entry.v, k_new, v_new, jnp.minimum(length, entry.slots), mask, scale, softcap)
+    after = (o[0, 0, 0, 0] * 0).astype(k_new.dtype)
     return o, entry.write(k_new + after, v_new + after, length)
 
 
@@ -137,11 +176,15 @@ class Attention(nnx.Module):
         o = attend(q, k, v, mask, self.spec.scale, self.spec.softcap)
         return self.o_proj(o.reshape(B, N, self.spec.num_heads * self.spec.head_dim))
 
-    def __call__(self, x, positions, entry: KVEntry, length, mask, key_pos):
-        """x: [B, N, H]; mask: [B, N, T] over [cache | new]; returns (out [B, N, H], entry with the new K/V)."""
+    def __call__(self, x, positions, entry: KVEntry | RingKVEntry, length, mask, key_pos):
+        """x: [B, N, H]; mask: [B, N, T] over [cache | new] (a ring entry: ring_mask's); returns (out [B, N, H],
+        entry with the new K/V)."""
         q, k, v = self.qkv(x, positions)
-        if self.spec.window is not None:
-            mask = sliding(mask, positions, key_pos, self.spec.window)
         B, N = x.shape[:2]
-        o, entry = attend_and_write(q, entry, k, v, length, mask, self.spec.scale, self.spec.softcap)
+        if isinstance(entry, RingKVEntry):
+            o, entry = attend_ring(q, entry, k, v, length, mask, self.spec.scale, self.spec.softcap)
+        else:
+            if self.spec.window is not None:
+                mask = sliding(mask, positions, key_pos, self.spec.window)
+            o, entry = attend_and_write(q, entry, k, v, length, mask, self.spec.scale, self.spec.softcap)
         return self.o_proj(o.reshape(B, N, self.spec.num_heads * self.spec.head_dim)), entry

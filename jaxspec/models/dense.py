@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxspec.cache import Cache, KVEntry
+from jaxspec.cache import Cache, KVEntry, RingKVEntry
 from jaxspec.config import DenseConfig
-from jaxspec.models.attention import Attention, AttentionSpec, cache_mask
+from jaxspec.models.attention import Attention, AttentionSpec, masks
 from jaxspec.models.layers import MLP, Linear, RMSNorm, embed_rows, finish, lm_logits, param
 from jaxspec.segment import Segment
 
@@ -66,10 +66,12 @@ class DenseLM(nnx.Module):
                         else Linear(H, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs))
 
     def init_cache(self, batch: int, max_len: int) -> Cache:
+        """A KV entry per layer; sliding layers keep a ring of their window (cache.RingKVEntry)."""
         c = self.config
         dt = self.embed_tokens.dtype
-        return Cache.init([KVEntry.init(batch, max_len, c.num_kv_heads, c.head_dim, dt) for _ in range(c.num_layers)],
-                          batch, max_len)
+        kv = c.num_kv_heads, c.head_dim, dt
+        return Cache.init([RingKVEntry.init(batch, max_len, c.sliding_window, *kv) if c.is_sliding[i]
+                           else KVEntry.init(batch, max_len, *kv) for i in range(c.num_layers)], batch, max_len)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, N] -> [B, N, H] (Gemma scales by sqrt(H) cast to the parameter dtype)."""
@@ -94,11 +96,12 @@ class DenseLM(nnx.Module):
         [B, N, len(tap_layers) * H] (None without tap layers);
         logits_idx: optional [B, M] rows to project (e.g. only the last prompt token) -> logits [B, M, V].
         """
-        mask, key_pos = cache_mask(segment.positions, cache.length, cache.start, segment.visible, cache.max_len)
+        mask, key_pos, ring = masks(segment, cache)
         x = self.embed(tokens)
         entries, tapped = list(cache.layers), {}
         for i, layer in enumerate(self.layers):
-            x, entries[i] = layer(x, segment.positions, entries[i], cache.length, mask, key_pos)
+            m = ring if isinstance(entries[i], RingKVEntry) else mask
+            x, entries[i] = layer(x, segment.positions, entries[i], cache.length, m, key_pos)
             if i in tap_layers:
                 tapped[i] = x
         return (*finish(self, x, tapped, tap_layers, logits_idx), dataclasses.replace(cache, layers=tuple(entries)))

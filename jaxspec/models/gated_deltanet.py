@@ -92,7 +92,7 @@ class GDNEntry:
         """The q, k and v conv windows."""
         return self.conv_q, self.conv_k, self.conv_v
 
-    def advance(self, n) -> "GDNEntry":
+    def advance(self, n, length) -> "GDNEntry":
         """Adopt the state after the forward's real tokens. The forward folded exactly `segment.lengths`
         tokens per row, so n must be those lengths (the engine always advances by them)."""
         return GDNEntry(*self.pending.conv, self.pending.state)

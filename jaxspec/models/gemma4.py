@@ -31,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxspec.cache import Cache, KVEntry
+from jaxspec.cache import Cache, KVEntry, RingKVEntry
 from jaxspec.config import ConfigError, RopeConfig, eos_ids
-from jaxspec.models.attention import attend, attend_and_write, cache_mask, sliding
+from jaxspec.models.attention import attend, attend_and_write, attend_cache, attend_ring, masks, sliding
 from jaxspec.models.layers import MLP, Linear, apply_rope, embed_rows, finish, lm_logits, param
 from jaxspec.models.moe import GATHER_MAX_PAIRS, experts_gather, experts_ragged
 from jaxspec.segment import Segment
@@ -250,17 +250,23 @@ class Attention(nnx.Module):
         k = apply_rope(self.k_norm(k), positions, jnp.asarray(s.inv_freq, jnp.float32))
         return k, rms_norm(v, None, s.eps)
 
-    def __call__(self, x, positions, entry: KVEntry, length, mask, key_pos):
-        """x: [B, N, H]; mask [B, N, T] over [cache | new]. A KV-shared layer gets its source layer's entry
-        (already holding this forward's K/V) and leaves it as it is. Returns (out [B, N, H], entry)."""
+    def __call__(self, x, positions, entry: KVEntry | RingKVEntry, length, mask, key_pos):
+        """x: [B, N, H]; mask [B, N, T] over [cache | new] (a ring entry: ring_mask's, the window in it). A KV-shared
+        layer gets its source layer's entry (already holding this forward's K/V, written or pending) and leaves
+        it as it is. Returns (out [B, N, H], entry)."""
         B, N, _ = x.shape
         s = self.spec
-        if s.window is not None:
+        ring = isinstance(entry, RingKVEntry)
+        if s.window is not None and not ring:
             mask = sliding(mask, positions, key_pos, s.window)
         q = self.q_norm(self.q_proj(x).reshape(B, N, s.num_heads, s.head_dim))
         q = apply_rope(q, positions, jnp.asarray(s.inv_freq, jnp.float32))
-        if s.kv_shared:
+        if s.kv_shared and ring:
+            o = attend_cache(q, entry.k, entry.v, *entry.pending, jnp.minimum(length, entry.slots), mask, 1.0)
+        elif s.kv_shared:
             o = attend(q, entry.k, entry.v, mask, 1.0)
+        elif ring:
+            o, entry = attend_ring(q, entry, *self.keys_values(x, positions), length, mask, 1.0)
         else:
             o, entry = attend_and_write(q, entry, *self.keys_values(x, positions), length, mask, 1.0)
         return self.o_proj(o.reshape(B, N, s.num_heads * s.head_dim)), entry
@@ -373,11 +379,17 @@ class Gemma4LM(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int) -> Cache:
         """One KV entry per layer that computes K/V (KV-shared layers read their source's), each of its
-        layer type's geometry."""
+        layer type's geometry; sliding layers keep a ring of their window (cache.RingKVEntry)."""
         c = self.config
         dt = self.embed_tokens.dtype
-        return Cache.init([KVEntry.init(batch, max_len, c.kv_heads[i], c.head_dims[i], dt)
-                           for i in range(c.num_layers) if not c.kv_shared[i]], batch, max_len)
+
+        def entry(i):
+            kv = c.kv_heads[i], c.head_dims[i], dt
+            if c.layer_types[i] == "sliding_attention":
+                return RingKVEntry.init(batch, max_len, c.sliding_window, *kv)
+            return KVEntry.init(batch, max_len, *kv)
+
+        return Cache.init([entry(i) for i in range(c.num_layers) if not c.kv_shared[i]], batch, max_len)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """tokens [B, N] -> [B, N, H], scaled by sqrt(H) cast to the parameter dtype."""
@@ -407,13 +419,14 @@ class Gemma4LM(nnx.Module):
         """Append N tokens to the cache and return (logits, taps, pending cache); arguments as
         `DenseLM.__call__`. A KV-shared layer attends to the entry its source layer wrote in this forward."""
         c = self.config
-        mask, key_pos = cache_mask(segment.positions, cache.length, cache.start, segment.visible, cache.max_len)
+        mask, key_pos, ring = masks(segment, cache)
         x = self.embed(tokens)
         ple = self.per_layer_inputs(tokens, x) if c.hidden_size_per_layer_input else None
         entries, tapped = list(cache.layers), {}
         for i, (layer, slot) in enumerate(zip(self.layers, c.cache_slots)):
+            m = ring if isinstance(entries[slot], RingKVEntry) else mask
             x, entry = layer(x, None if ple is None else ple[:, :, i], segment.positions, entries[slot], cache.length,
-                             mask, key_pos)
+                             m, key_pos)
             if not c.kv_shared[i]:
                 entries[slot] = entry
             if i in tap_layers:
