@@ -142,4 +142,4 @@ def _spec_many(dec: Decoder, prompts: list[list[int]], limits: list[int], B: int
             continue  # a refilled row may be done already (EOS first, or a limit of 1)
         if all(o is None for o in owner):
             return answers
-        run = dec.decode(run, dec.count(run) + chunk)
+        run = dec.decode(run, dec.count(run) + chunk, live=[b for b in range(B) if owner[b] is not None])

@@ -141,6 +141,16 @@ class Decoder:
             self.settings = engine.SpecSettings(method, budget, dc.block_size, dc.target_layer_ids, sampling,
                                                 self.eos, kv_impl, model.layout, drafter.layout, bool(lookup))
 
+    def settings_for(self, budget: int | None) -> engine.SpecSettings:
+        """The round settings at `budget` (None: the decoder's own). A state sized for the decoder's budget runs any
+        smaller one: its caches, acceptance histogram and output margin only hold more than that one needs."""
+        if budget is None or budget == self.budget:
+            return self.settings
+        if self.method != "ddtree" or not 1 <= budget <= self.budget:
+            raise ValueError(f"rounds at budget {budget} need a ddtree Decoder of budget >= {budget} (this one: "
+                             f"{self.method}, budget {self.budget})")
+        return replace(self.settings, budget=budget)
+
     # ------------------------------------------------------------------------------ sizing
 
     def spec_max_len(self, length: int, max_new_tokens: int) -> int:
@@ -209,13 +219,26 @@ class Decoder:
                                     settings=self.settings)
         return Run(state, lens, P, max_len, max_len)
 
-    def decode(self, run: Run, stop: int) -> Run:
-        """Decode until every row is done or `count(run)` reaches `stop` (one round may overshoot it)."""
+    def decode(self, run: Run, stop: int, live: list[int] | None = None, budget: int | None = None) -> Run:
+        """Decode until every row is done or `count(run)` reaches `stop` (one round may overshoot it).
+
+        Speculative methods only:
+        live: the rows that may still emit (every other row must be done). When a power of two below the batch
+        size holds them (`live_rows`), rounds run over those rows alone, padded with idle ones (one compile per
+        size), so idle rows cost no drafting or verifying.
+        budget: DDTree rounds at this budget, at most the decoder's (`settings_for`)."""
         m, s = self.model, run.state
         if self.method != "ar":
-            d = self.drafter
+            d, settings = self.drafter, self.settings_for(budget)
+            B = s.bonus.shape[0]
+            if live is not None and live_rows(len(live), B) < B and (m.layout is None
+                                                                     or m.layout.mesh.shape["dp"] == 1):
+                rows = list(live) + [b for b in range(B) if b not in live][: live_rows(len(live), B) - len(live)]
+                run.state = engine.spec_decode_rows(m.jit_def, m.params, d.jit_def, d.params, s,
+                                                    jnp.asarray(rows, jnp.int32), jnp.int32(stop), settings=settings)
+                return run
             run.state = engine.spec_decode(m.jit_def, m.params, d.jit_def, d.params, s, jnp.int32(stop),
-                                           settings=self.settings)
+                                           settings=settings)
             return run
         if run.window >= run.full_len:  # one buffer for the whole run
             run.state = engine.ar_decode(m.jit_def, m.params, s, jnp.int32(stop), sampling=self.sampling,
@@ -331,6 +354,12 @@ class Decoder:
         s, ids = run.state, self.tokens(run)
         hist, rounds, nodes = to_host(s.accepted_hist), to_host(s.rounds), to_host(s.tree_nodes)
         return [spec_stats(hist[b], int(rounds[b]), len(ids[b]), self.budget, int(nodes[b])) for b in range(len(ids))]
+
+
+def live_rows(n: int, batch: int) -> int:
+    """The rows a speculative round over n live rows of a batch runs: n rounded up to a power of two, or the
+    whole batch when that is no smaller (Decoder.decode)."""
+    return min(1 << math.ceil(math.log2(max(n, 1))), batch)
 
 
 def check_rows(rows: list[list[int]], max_new_tokens: int | list[int]) -> None:

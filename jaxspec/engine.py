@@ -395,5 +395,23 @@ def spec_decode(target_def, target_params, drafter_def, drafter_params, state: S
     """Run rounds until every row is done or every live row has `stop_at` tokens (a chunk boundary for
     streaming)."""
     target, drafter = nnx.merge(target_def.graphdef, target_params), nnx.merge(drafter_def.graphdef, drafter_params)
+    return _spec_loop(target, drafter, state, stop_at, settings)
+
+
+@functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "settings"), donate_argnames=("state",))
+@_on_kernels
+def spec_decode_rows(target_def, target_params, drafter_def, drafter_params, state: SpecState, rows, stop_at, *,
+                     settings: SpecSettings) -> SpecState:
+    """spec_decode over the rows `rows` [R] (distinct) of the state alone, the others left as they are: a batch
+    whose other rows are idle runs rounds of R rows, drafting R blocks and verifying R x (1 + budget) nodes
+    instead of B x (1 + budget). The rows are gathered once and written back once per call."""
+    target, drafter = nnx.merge(target_def.graphdef, target_params), nnx.merge(drafter_def.graphdef, drafter_params)
+    sub = _spec_loop(target, drafter, jax.tree.map(lambda x: x[rows], state), stop_at, settings)
+    state = jax.tree.map(lambda x, y: x.at[rows].set(y), state, sub)
+    return replace(state, cache=_pin(settings.layout, state.cache),
+                   draft_cache=_pin(settings.draft_layout, state.draft_cache))
+
+
+def _spec_loop(target, drafter, state: SpecState, stop_at, settings: SpecSettings) -> SpecState:
     return jax.lax.while_loop(lambda s: jnp.any(~s.done & (s.emitted < stop_at)),
                               lambda s: spec_round(target, drafter, s, settings), state)

@@ -23,7 +23,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxspec.decoder import Decoder, Run, prompt_width, round_up
+from jaxspec.decoder import Decoder, Run, live_rows, prompt_width, round_up
 from jaxspec.sampling import SamplingParams
 from jaxspec.sharding import to_host
 
@@ -64,13 +64,21 @@ class Scheduler:
     """Continuous batching over one Decoder (see the module doc). The decoder must sample per row
     (SamplingParams(per_row=True)); `max_model_len` bounds each request's prompt + max_tokens and sizes the
     buffers once, so one set of compiled programs serves every request. on_finish(request, rounds) reports each
-    finished request (metrics; rounds: its speculative rounds, None for AR)."""
+    finished request (metrics; rounds: its speculative rounds, None for AR).
+
+    Speculative rounds run over the live rows only (Decoder.decode's `live`: idle rows cost nothing), at the
+    budget `budgets` gives for that many rows (`live_rows`: a power of two or the batch; default the decoder's
+    budget, which must be the largest)."""
 
     def __init__(self, decoder: Decoder, *, max_batch: int, max_model_len: int, chunk: int = 16,
-                 max_queue: int = 256, on_finish: Callable[[Request, int | None], None] | None = None):
+                 max_queue: int = 256, on_finish: Callable[[Request, int | None], None] | None = None,
+                 budgets: dict[int, int] | None = None):
         if not decoder.sampling.per_row:
             raise ValueError("the scheduler needs a Decoder with SamplingParams(per_row=True)")
         self.dec, self.B, self.ctx, self.chunk, self.max_queue = decoder, max_batch, max_model_len, chunk, max_queue
+        self.budgets = dict(budgets or {})
+        for b in self.budgets.values():
+            decoder.settings_for(b)  # each must fit the decoder's state
         self.tokenizer = decoder.model.tokenizer
         self.on_finish = on_finish or (lambda r, n: None)
         self.waiting: deque[Request] = deque()
@@ -159,7 +167,10 @@ class Scheduler:
                               out_len=round_up(self.ctx, 64) + dec.settings.round_tokens, sampling=greedy)
         for width in sorted({prompt_width(n) for n in range(1, self.ctx)}):
             dec.refill(run, [0], [[0] * min(width, self.ctx - 1)], [1], jax.random.key(0)[None], sampling=greedy[:1])
-        self.run = dec.decode(run, 1)  # compiles the decode loop without a step (every row is done)
+        self.run = dec.decode(run, 1, budget=self.budgets.get(B))  # compiles the loop without a step (all done)
+        if dec.method != "ar":  # and the loops over fewer live rows (Decoder.decode)
+            for n in sorted({live_rows(n, B) for n in range(1, B)} - {B}):
+                dec.decode(self.run, 1, live=list(range(n)), budget=self.budgets.get(n))
         jax.block_until_ready(self.run.state)
 
     def _next(self) -> bool:
@@ -212,7 +223,8 @@ class Scheduler:
             out, emitted, done = (to_host(x) for x in (run.state.out, run.state.emitted, run.state.done))
             new = {b: out[b, : emitted[b] - before[b]].tolist() for b in live}
         else:
-            dec.decode(run, dec.count(run) + self.chunk)
+            budget = self.budgets.get(live_rows(len(live), self.B))
+            dec.decode(run, dec.count(run) + self.chunk, live=live, budget=budget)
             out, emitted, done = (to_host(x) for x in (run.state.out, run.state.emitted, run.state.done))
             new = {b: out[b, len(self.rows[b].tokens): emitted[b]].tolist() for b in live}
         for b in live:

@@ -29,7 +29,7 @@ from jaxspec import api, budget
 from jaxspec.checkpoint import WeightsError
 from jaxspec.cli import BUNDLED_GGUF, ArgumentParser, UsageError, budget_arg, bundled_model, default_drafter
 from jaxspec.config import ConfigError
-from jaxspec.decoder import Decoder
+from jaxspec.decoder import Decoder, live_rows
 from jaxspec.drafter import check_fits
 from jaxspec.model import DTYPES
 from jaxspec.sampling import SamplingParams
@@ -421,15 +421,20 @@ def build(args) -> tuple[Scheduler, str]:
     drafter = jaxspec.load_drafter(drafter_path, model) if drafter_path and args.method != "ar" else None
     b = args.budget if args.budget is not None else ("auto" if drafter is not None else None)
     method, b = api.resolve_method(args.method, drafter, b if args.method in ("auto", "ddtree") else args.budget)
+    budgets = None
     if method != "ar":
         check_fits(drafter.config, model)
-        if b == "auto":
-            b, chosen = budget.choose(model, drafter, args.lookup, batch=args.max_batch)
-            print(f"budget auto: {b} for batches of {args.max_batch} ({chosen.get('budget_source')})", file=sys.stderr)
+        if b == "auto":  # one budget per number of live rows a round can run (the scheduler's `budgets`)
+            sizes = sorted({live_rows(n, args.max_batch) for n in range(1, args.max_batch + 1)})
+            chosen = {n: budget.choose(model, drafter, args.lookup, batch=n) for n in sizes}
+            budgets = {n: c[0] for n, c in chosen.items()}
+            b = max(budgets.values())
+            print(f"budget auto: {' / '.join(map(str, budgets.values()))} for {' / '.join(map(str, sizes))} live rows "
+                  f"({chosen[sizes[-1]][1].get('budget_source')})", file=sys.stderr)
     dec = Decoder(model, drafter, method=method, budget=b, sampling=SamplingParams(per_row=True), lookup=args.lookup)
     name = args.served_model_name or served_name(model_path)
     return Scheduler(dec, max_batch=args.max_batch, max_model_len=max_len, chunk=args.chunk,
-                     max_queue=args.max_queue), name
+                     max_queue=args.max_queue, budgets=budgets), name
 
 
 def served_name(path: str) -> str:

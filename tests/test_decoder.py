@@ -3,6 +3,9 @@ buffer size (the decoding itself is held to AR and to each prompt alone in test_
 test_batching.py)."""
 import json
 
+import numpy as np
+import pytest
+
 import jaxspec
 from jaxspec.decoder import PROMPT_BUCKET, Decoder, Stats
 from test_engine import PROMPT, tiny_target
@@ -30,3 +33,31 @@ def test_queue_slots_hold_every_row_and_the_widest_refill():
     prompts, limits = [[1] * 5, [1] * 5, [1] * 65], [3, 3, 5]
     n = Decoder.slots_for_queue(prompts, limits, chunk=16)
     assert n >= 70 + 16 and n >= 2 * PROMPT_BUCKET and n % 32 == 0
+
+
+def test_decode_over_the_live_rows_alone():
+    """A speculative batch of 4 with rows 1 and 3 done decodes rows 0 and 2 in 2-row rounds (and row 2 alone in
+    1-row rounds): each live row gets the tokens and rounds of the full 4-row decode, and the idle rows are left
+    as they were."""
+    m = tiny_target("qwen3")
+    d = jaxspec.init_drafter(m, num_layers=1, block_size=4, seed=1)
+    dec = Decoder(m, d, method="ddtree", budget=4)
+    prompts = [PROMPT, PROMPT[:5], PROMPT[2:], PROMPT[:7]]
+
+    def run(live):
+        r = dec.prefill(prompts, 12)
+        dec.cancel(r, [1, 3])
+        before = {name: np.asarray(getattr(r.state, name)) for name in ("out", "emitted", "rounds", "bonus")}
+        dec.decode(r, 100, live=live)
+        return before, r
+
+    with pytest.raises(ValueError, match="budget >= 8"):
+        dec.settings_for(8)  # a state sized for budget 4 cannot run rounds of 8
+    _, full = run(None)
+    for live in ([0, 2], [2]):
+        before, part = run(live)
+        for b in range(4):
+            for name in ("out", "emitted", "rounds", "bonus"):
+                got = np.asarray(getattr(part.state, name))[b]
+                want = (np.asarray(getattr(full.state, name)) if b in live else before[name])[b]
+                np.testing.assert_array_equal(got, want, err_msg=f"live {live}, row {b}, {name}")

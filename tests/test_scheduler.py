@@ -56,8 +56,9 @@ class Collector:
 @pytest.mark.parametrize("method", ["ar", "ddtree"])
 def test_requests_arriving_while_others_run(target, method):
     """Two rows, six requests: two at first, the rest submitted once the first has streamed text, one of them
-    sampled. Every greedy request gets generate's tokens and text (EOS included where the target samples it)."""
-    sched = scheduler(target, method)
+    sampled. Every greedy request gets generate's tokens and text (EOS included where the target samples it).
+    DDTree rounds over one live row run alone at budget 2, over both at the decoder's 4."""
+    sched = scheduler(target, method, budgets={1: 2} if method == "ddtree" else None)
     try:
         reqs = [Request(p, m, on_event=Collector()) for p, m in zip(PROMPTS, LIMITS)]
         reqs[3].sampling = SamplingParams(1.0, 20)
