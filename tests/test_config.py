@@ -98,3 +98,46 @@ def test_drafter_layer_types_match_its_layers():
     for types in (["full_attention"], ["full_attention"] * 3):
         with pytest.raises(ConfigError, match=rf"num_hidden_layers 2 but {len(types)} layer_types.*one entry per"):
             drafter_config_from_dict({**DRAFTER, "layer_types": types})
+
+
+FAMILY_SIZES = {  # a tiny valid config per non-dense family, and the sizes its parser must check
+    "qwen3_5_text": (dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                          linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                          full_attention_interval=4),
+                     ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                      "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                      "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+                      "max_position_embeddings", "rms_norm_eps"]),
+    "deepseek_v3": (dict(vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                         num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, q_lora_rank=32,
+                         kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+                         num_experts_per_tok=2, n_group=4, topk_group=2),
+                    ["vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                     "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
+                     "max_position_embeddings", "rms_norm_eps", "routed_scaling_factor"]),
+    "gemma4_text": (dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                         sliding_window=4, hidden_size_per_layer_input=0,
+                         layer_types=["sliding_attention", "full_attention"]),
+                    ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "global_head_dim", "sliding_window",
+                     "max_position_embeddings", "rms_norm_eps"]),
+}
+
+
+@pytest.mark.parametrize("model_type", list(FAMILY_SIZES))
+def test_family_parsers_refuse_impossible_sizes(model_type):
+    """Every family's parser gives a ConfigError naming the field for a zero, negative or NaN size (the hybrid
+    parser once divided by a zero head count; the others built modules that failed far from config.json)."""
+    from jaxspec.models.registry import config_from_dict
+
+    base, keys = FAMILY_SIZES[model_type]
+    config_from_dict({"model_type": model_type, **base})  # the base parses
+    for key in keys:
+        for bad in (0, -2, math.nan):
+            with pytest.raises(ConfigError, match="invalid") as e:
+                config_from_dict({"model_type": model_type, **base, key: bad})
+            # the field, or the per-layer field transformers derives from it (Gemma 4's head_dim, KV heads)
+            assert any(w in str(e.value) for w in (key, "head_dim", "heads", "layer")), (key, bad, e.value)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.cache import Cache, LatentEntry
-from jaxspec.config import ConfigError, RopeConfig, eos_ids
+from jaxspec.config import ConfigError, RopeConfig, check_values, eos_ids
 from jaxspec.models.attention import cache_mask
 from jaxspec.models.layers import MLP, Linear, RMSNorm, embed_rows, finish, lm_logits, param
 from jaxspec.models.mla import MLA, MLARope, MLASpec, absorb_threshold, rope_tables, softmax_scale
@@ -87,6 +87,20 @@ def deepseek_config_from_dict(d: dict) -> DeepseekConfig:
         hf = transformers.AutoConfig.for_model("deepseek_v3", **kw)
     except Exception as e:  # transformers raises many types for malformed values
         raise ConfigError(f"config.json for {model_type} is invalid: {e}") from e
+    sizes = dict(vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
+                 moe_intermediate_size=hf.moe_intermediate_size, num_hidden_layers=hf.num_hidden_layers,
+                 num_attention_heads=hf.num_attention_heads, kv_lora_rank=hf.kv_lora_rank,
+                 qk_nope_head_dim=hf.qk_nope_head_dim, qk_rope_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
+                 n_routed_experts=hf.n_routed_experts, num_experts_per_tok=hf.num_experts_per_tok,
+                 n_group=hf.n_group, topk_group=hf.topk_group, max_position_embeddings=hf.max_position_embeddings)
+    if hf.q_lora_rank is not None:  # None: q projected directly (no low-rank query)
+        sizes["q_lora_rank"] = hf.q_lora_rank
+    what = f"config.json for {model_type}"
+    check_values(what, sizes, dict(rms_norm_eps=hf.rms_norm_eps, routed_scaling_factor=hf.routed_scaling_factor))
+    if hf.n_routed_experts % hf.n_group or hf.topk_group > hf.n_group or hf.num_experts_per_tok > hf.n_routed_experts:
+        raise ConfigError(f"{what} is invalid: {hf.n_routed_experts} routed experts in {hf.n_group} groups, "
+                          f"{hf.topk_group} groups and {hf.num_experts_per_tok} experts chosen per token; re-download "
+                          "the model or correct the values")
     rp = dict(getattr(hf, "rope_parameters", None) or {})
     rope_type = rp.get("rope_type", rp.get("type", "default")) or "default"
     if rope_type not in ("default", "yarn"):

@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from jaxspec.cache import Cache, KVEntry, RingKVEntry
-from jaxspec.config import ConfigError, RopeConfig, eos_ids
+from jaxspec.config import ConfigError, RopeConfig, check_values, eos_ids
 from jaxspec.models.attention import attend, attend_and_write, attend_cache, attend_ring, masks, sliding
 from jaxspec.models.layers import MLP, Linear, apply_rope, embed_rows, finish, lm_logits, param
 from jaxspec.models.moe import GATHER_MAX_PAIRS, experts_gather, experts_ragged
@@ -142,6 +142,11 @@ def gemma4_config_from_dict(d: dict) -> Gemma4Config:
         raise ConfigError(f"unsupported hidden_activation {hf.hidden_activation!r} for Gemma 4 "
                           "(supported: gelu_pytorch_tanh)")
     L = hf.num_hidden_layers
+    what = f"config.json for {model_type}"
+    check_values(what, dict(vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
+                            intermediate_size=hf.intermediate_size, num_hidden_layers=L,
+                            num_attention_heads=hf.num_attention_heads, sliding_window=hf.sliding_window,
+                            max_position_embeddings=hf.max_position_embeddings), dict(rms_norm_eps=hf.rms_norm_eps))
     layer_types = tuple(hf.layer_types)
     if set(layer_types) - {"sliding_attention", "full_attention"}:
         raise ConfigError(f"unknown layer_types {sorted(set(layer_types))} in config.json for {model_type}")
@@ -150,6 +155,11 @@ def gemma4_config_from_dict(d: dict) -> Gemma4Config:
     store = {layer_types[i]: i for i, m in enumerate(modes) if m == "store"}
     kv_source = tuple(store[t] if m == "reuse" else i for i, (t, m) in enumerate(zip(layer_types, modes)))
     per_layer = [hf.per_layer_config[i] for i in range(L)]
+    for i, c in enumerate(per_layer):
+        check_values(f"{what} (layer {i})", dict(head_dim=c.head_dim, num_key_value_heads=c.num_key_value_heads))
+        if hf.num_attention_heads % c.num_key_value_heads:
+            raise ConfigError(f"{what} is invalid: num_attention_heads {hf.num_attention_heads} is not a multiple of "
+                              f"layer {i}'s {c.num_key_value_heads} KV heads; re-download the model or correct it")
     rp = hf.rope_parameters or {}
     E = int(hf.num_experts or 0) if hf.enable_moe_block else 0
     if hf.enable_moe_block and not (E and hf.top_k_experts and hf.moe_intermediate_size):

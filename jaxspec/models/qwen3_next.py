@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxspec.cache import Cache, KVEntry
-from jaxspec.config import ConfigError, RopeConfig, _rope, eos_ids
+from jaxspec.config import ConfigError, RopeConfig, _rope, check_values, eos_ids
 from jaxspec.models.attention import Attention, AttentionSpec, attend_and_write, cache_mask
 from jaxspec.models.gated_deltanet import MODES, GatedDeltaNet, GDNEntry, GDNSpec
 from jaxspec.models.layers import (
@@ -104,6 +104,18 @@ def hybrid_config_from_dict(d: dict) -> HybridConfig:
     if hf.hidden_act != "silu":
         raise ConfigError(f"unsupported hidden_act {hf.hidden_act!r} for {model_type}; the hybrid family runs silu")
     L, head_dim = hf.num_hidden_layers, hf.head_dim
+    what = f"config.json for {model_type}"
+    check_values(what, dict(vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_hidden_layers=L,
+                            num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
+                            head_dim=head_dim, linear_num_key_heads=hf.linear_num_key_heads,
+                            linear_num_value_heads=hf.linear_num_value_heads,
+                            linear_key_head_dim=hf.linear_key_head_dim, linear_value_head_dim=hf.linear_value_head_dim,
+                            linear_conv_kernel_dim=hf.linear_conv_kernel_dim,
+                            max_position_embeddings=hf.max_position_embeddings),
+                 dict(rms_norm_eps=hf.rms_norm_eps))
+    if hf.num_attention_heads % hf.num_key_value_heads:
+        raise ConfigError(f"{what} is invalid: num_attention_heads {hf.num_attention_heads} is not a multiple of "
+                          f"num_key_value_heads {hf.num_key_value_heads}; re-download the model or correct the value")
     rp = dict(getattr(hf, "rope_parameters", None) or {})
     rotary_dim = int(head_dim * float(rp.get("partial_rotary_factor", 1.0)))
     layer_types = tuple(hf.layer_types)
@@ -115,6 +127,11 @@ def hybrid_config_from_dict(d: dict) -> HybridConfig:
         moe = tuple(i not in only and E > 0 and (i + 1) % step == 0 for i in range(L))
     else:
         moe = (model_type == "qwen3_5_moe_text",) * L
+    if not all(moe):  # the dense MLP layers' width
+        check_values(what, dict(intermediate_size=getattr(hf, "intermediate_size", None)))
+    if any(moe):
+        check_values(what, dict(num_experts=E, num_experts_per_tok=getattr(hf, "num_experts_per_tok", None),
+                                moe_intermediate_size=getattr(hf, "moe_intermediate_size", None)))
     Hk, Hv = hf.linear_num_key_heads, hf.linear_num_value_heads
     if Hv % Hk:
         raise ConfigError(f"linear_num_value_heads ({Hv}) must be a multiple of linear_num_key_heads ({Hk})")
