@@ -46,6 +46,7 @@ from flax import nnx
 from jaxspec.checkpoint import load_params, safetensors_files
 from jaxspec.checkpoint.fp8 import fp8_block_size
 from jaxspec.checkpoint.orbax import PARAMS_DIR, is_converted, write_packing
+from jaxspec.checkpoint.safetensors import check_depth
 from jaxspec.model import DTYPES, _tokenizer, module_builder, read_source
 from jaxspec.models.quant import QUANTIZE
 from jaxspec.models.registry import config_from_dict, family_of
@@ -131,6 +132,8 @@ def convert(src, out, dtype: str | None = None, *, quantize: str | None = None, 
     config, tensors, stored, write_tokenizer = _open(src, quantize)
     dtype = dtype or source_dtype(src, quantize)
     cfg = config_from_dict(config)
+    if src.is_dir():
+        check_depth(cfg.num_layers, src)  # before the module is built, a layer at a time (as jaxspec.load)
     ctor, pack, plan = module_builder(cfg, DTYPES[dtype], quantize, stored)
 
     tmp, lock = _temporary(out, ".converting")

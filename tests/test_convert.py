@@ -294,16 +294,21 @@ def _fp8_e5m2_tensor(d):
     _header_rewrite(sorted(d.glob("*.safetensors"))[0], edit)
 
 
-def _config_with_more_layers(d):
+def _config_with_more_layers(d, n=3):
     cfg = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
+    (d / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": n}))
+
+
+def _config_with_a_million_layers(d):  # built a layer at a time, this would seem to hang
+    _config_with_more_layers(d, 10**6)
 
 
 @pytest.mark.parametrize("damage, words", [
     (_corrupt_header, "invalid header"),
     (_missing_shard, "listed in the index is missing"),
     (_fp8_e5m2_tensor, "has dtype F8_E5M2, which jaxspec does not read"),
-    (_config_with_more_layers, "checkpoint is missing 9 tensors, e.g. 'layers.2.input_layernorm.weight'"),
+    (_config_with_more_layers, "says num_hidden_layers 3, but the checkpoint's tensors fill 2 layers"),
+    (_config_with_a_million_layers, "says num_hidden_layers 1000000, but the checkpoint's tensors fill 2 layers"),
 ])
 def test_bad_checkpoint(sharded, tmp_path, capfd, damage, words):
     src = tmp_path / "src"
