@@ -124,7 +124,8 @@ def main(argv=None) -> None:
             print(f"c={a['concurrency']:>3}: DDTree / AR output tokens/s = "
                   f"{d['output_tokens_per_s'] / a['output_tokens_per_s']:.2f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(args=vars(args), results=results), indent=2))
+        settings = {k: v for k, v in vars(args).items() if k != "json"}  # where it was written is no setting
+        Path(args.json).write_text(json.dumps(dict(args=settings, results=results), indent=2))
 
 
 if __name__ == "__main__":

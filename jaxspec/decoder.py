@@ -231,9 +231,9 @@ class Decoder:
         if self.method != "ar":
             d, settings = self.drafter, self.settings_for(budget)
             B = s.bonus.shape[0]
-            if live is not None and live_rows(len(live), B) < B and (m.layout is None
-                                                                     or m.layout.mesh.shape["dp"] == 1):
-                rows = list(live) + [b for b in range(B) if b not in live][: live_rows(len(live), B) - len(live)]
+            R = B if live is None else live_rows(len(live), B)
+            if R < B and (m.layout is None or m.layout.mesh.shape["dp"] == 1):
+                rows = list(live) + [b for b in range(B) if b not in live][: R - len(live)]
                 run.state = engine.spec_decode_rows(m.jit_def, m.params, d.jit_def, d.params, s,
                                                     jnp.asarray(rows, jnp.int32), jnp.int32(stop), settings=settings)
                 return run
