@@ -37,8 +37,8 @@ QWEN35 = dict(model_type="qwen3_5_text", vocab_size=8192, hidden_size=512, inter
 
 
 def decode_rate(model, rows, B, max_new, drafter_for=None, **kw):
-    """(token rows, decoded tokens, decode seconds, rounds, budgets used) over batches of B rows; the second of
-    two runs. drafter_for(i, batch): the drafter for the batch starting at row i."""
+    """(token rows, decoded tokens, decode seconds, rounds, budgets used: 0 where auto chose AR) over batches of B
+    rows; the second of two runs. drafter_for(i, batch): the drafter for the batch starting at row i."""
     for _ in range(2):
         out, tokens, seconds, rounds, budgets = [], 0, 0.0, 0, set()
         for i in range(0, len(rows), B):
@@ -49,7 +49,7 @@ def decode_rate(model, rows, B, max_new, drafter_for=None, **kw):
             tokens += r.stats.new_tokens - len(batch)
             seconds += r.stats.decode_s
             rounds += r.stats.rounds or 0
-            budgets.add(r.stats.budget)
+            budgets.add(r.stats.budget if r.stats.method != "ar" else 0)  # auto's 0: AR was predicted faster
     return out, tokens, seconds, rounds, sorted(b for b in budgets if b is not None)
 
 

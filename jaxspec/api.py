@@ -120,6 +120,8 @@ def generate(model: Model, prompt=None, *, input_ids=None, drafter: Drafter | No
         check_placement(drafter, model)
         if budget == "auto":
             budget, chosen = choose_budget(model, drafter, lookup, batch=len(rows))
+            if budget == 0:  # no tree is predicted to beat AR at this batch size
+                method, budget = "ar", None
     dec = Decoder(model, drafter, method=method, budget=budget, sampling=sampling, kv_impl=kv_impl, lookup=lookup)
 
     t0 = time.perf_counter()

@@ -431,16 +431,20 @@ def _time(model, drafter, acceptance, lookup, batch, path, key, entry) -> dict:
 
 
 def best_budget(acceptance: dict[int, float], ar_step_s: float, round_s: dict[int, float]) -> tuple[int, dict]:
-    """argmax_b AL(b) / round(b) over the timed budgets; also the predicted speed-up over AR of each."""
+    """argmax_b AL(b) / round(b) over the timed budgets, or 0 where none is predicted faster than AR (a batch large
+    enough that its verify no longer rides on the weights' reads); also the predicted speed-up over AR of each."""
     speedup = {b: acceptance[b] * ar_step_s / round_s[b] for b in round_s}
-    return max(speedup, key=lambda b: (speedup[b], -b)), speedup
+    best = max(speedup, key=lambda b: (speedup[b], -b))
+    return (best if speedup[best] > 1 else 0), speedup
 
 
 def choose(model, drafter, lookup: bool = True, batch: int = 1) -> tuple[int, dict]:
-    """(budget, statistics) for budget="auto" at a batch of `batch` rows (timed at batch_bucket(batch))."""
+    """(budget, statistics) for budget="auto" at a batch of `batch` rows (timed at batch_bucket(batch)); budget 0:
+    AR is faster at this batch size."""
     table = drafter.acceptance
     if not table:
         return drafter.config.block_size - 1, {"budget_source": "default (the drafter ships no acceptance.json)"}
     c = costs(model, drafter, table, lookup, batch_bucket(batch))
     b, speedup = best_budget(table, c["ar_step_s"], c["round_s"])
-    return b, {"budget_source": "auto", "predicted_speedup": {str(k): round(v, 3) for k, v in sorted(speedup.items())}}
+    source = "auto" if b else f"auto: AR (no budget is predicted faster at a batch of {batch_bucket(batch)})"
+    return b, {"budget_source": source, "predicted_speedup": {str(k): round(v, 3) for k, v in sorted(speedup.items())}}

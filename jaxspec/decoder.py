@@ -143,10 +143,12 @@ class Decoder:
 
     def settings_for(self, budget: int | None) -> engine.SpecSettings:
         """The round settings at `budget` (None: the decoder's own). A state sized for the decoder's budget runs any
-        smaller one: its caches, acceptance histogram and output margin only hold more than that one needs."""
+        smaller one: its caches, acceptance histogram and output margin only hold more than that one needs. Budget
+        0 drafts nothing and verifies each row's bonus alone: AR steps in the speculative state (`tree.root_only`),
+        for batch sizes where no tree pays for itself."""
         if budget is None or budget == self.budget:
             return self.settings
-        if self.method != "ddtree" or not 1 <= budget <= self.budget:
+        if self.method != "ddtree" or not 0 <= budget <= self.budget:
             raise ValueError(f"rounds at budget {budget} need a ddtree Decoder of budget >= {budget} (this one: "
                              f"{self.method}, budget {self.budget})")
         return replace(self.settings, budget=budget)

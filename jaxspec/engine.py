@@ -33,7 +33,7 @@ from jaxspec.lookup import MAX_DEPTH, chain_logprobs, lookup_chain
 from jaxspec.sampling import RowSampling, SamplingParams, sample, sample_per_row
 from jaxspec.segment import Segment
 from jaxspec.sharding import Layout
-from jaxspec.tree import Tree, add_chain, build_chain, build_tree, prune, tree_segment
+from jaxspec.tree import Tree, add_chain, build_chain, build_tree, prune, root_only, tree_segment
 
 # ------------------------------------------------------------------------------------------ AR
 
@@ -206,7 +206,7 @@ class SpecSettings:
     """Everything static about a speculative run (one compile per distinct value)."""
 
     method: str  # dflash | ddtree
-    budget: int  # non-root tree nodes (dflash: block_size - 1)
+    budget: int  # non-root tree nodes (dflash: block_size - 1; ddtree 0: the bonus alone, an AR step)
     block_size: int
     tap_layers: tuple[int, ...]  # target layers whose outputs feed the drafter
     sampling: SamplingParams
@@ -353,10 +353,13 @@ def spec_round(target, drafter, s: SpecState, settings: SpecSettings) -> SpecSta
     pos = L - s.cache.start  # [B] the bonus' position
     key, k_verify = _split_rows(s.key)
     live = ~s.done
-    # 1-2. draft and build the trees (root = bonus)
-    draft = drafter.draft_logits(target, s.draft_cache, s.bonus, L, settings.draft_depth)  # [B, depth, K]
-    ids = drafter.config.draft_vocab or None  # the draft columns' token ids
-    tree = jax.vmap(lambda d, h, p: _row_tree(d, h, p, settings, ids))(draft, s.history, pos)  # fields [B, N]
+    # 1-2. draft and build the trees (root = bonus); budget 0 drafts nothing and verifies the bonus alone
+    if settings.nodes == 1:
+        tree = root_only(L.shape[0])
+    else:
+        draft = drafter.draft_logits(target, s.draft_cache, s.bonus, L, settings.draft_depth)  # [B, depth, K]
+        ids = drafter.config.draft_vocab or None  # the draft columns' token ids
+        tree = jax.vmap(lambda d, h, p: _row_tree(d, h, p, settings, ids))(draft, s.history, pos)  # fields [B, N]
     tokens = tree.tokens.at[:, 0].set(s.bonus)
     # 3. verify all rows' nodes in one forward: node i of row b at position L[b] + depth_i, seeing its prefix
     #    and its own ancestors
@@ -367,7 +370,8 @@ def spec_round(target, drafter, s: SpecState, settings: SpecSettings) -> SpecSta
     # 5. commit each row's path in the target cache and the drafter context; a done row keeps nothing
     n = jnp.where(live, k + 1, 0)
     cache = _pin(settings.layout, pending.commit(path, n, impl=settings.kv_impl))
-    tapped = jnp.take_along_axis(taps, path[:, :, None], axis=1)  # [B, D + 1, taps]
+    kept = path[:, : min(D, settings.nodes - 1) + 1]  # the most a tree of these nodes can accept
+    tapped = jnp.take_along_axis(taps, kept[:, :, None], axis=1)  # [B, <= D + 1, taps]
     draft_cache = _pin(settings.draft_layout, drafter.append_context(s.draft_cache, tapped, n))
     bonus = jnp.take_along_axis(target_tokens, jnp.take_along_axis(path, k[:, None], 1), 1)[:, 0]  # [B]
     # emit [accepted drafts..., new bonus] per row

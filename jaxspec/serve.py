@@ -429,8 +429,11 @@ def build(args) -> tuple[Scheduler, str]:
             chosen = {n: budget.choose(model, drafter, args.lookup, batch=n) for n in sizes}
             budgets = {n: c[0] for n, c in chosen.items()}
             b = max(budgets.values())
-            print(f"budget auto: {' / '.join(map(str, budgets.values()))} for {' / '.join(map(str, sizes))} live rows "
-                  f"({chosen[sizes[-1]][1].get('budget_source')})", file=sys.stderr)
+            print(f"budget auto: {' / '.join(str(x or 'AR') for x in budgets.values())} for "
+                  f"{' / '.join(map(str, sizes))} live rows ({chosen[sizes[-1]][1].get('budget_source')})",
+                  file=sys.stderr)
+            if b == 0:  # AR is faster at every batch size: no drafter state at all
+                method, b, budgets = "ar", None, None
     dec = Decoder(model, drafter, method=method, budget=b, sampling=SamplingParams(per_row=True), lookup=args.lookup)
     name = args.served_model_name or served_name(model_path)
     return Scheduler(dec, max_batch=args.max_batch, max_model_len=max_len, chunk=args.chunk,

@@ -49,6 +49,15 @@ class Tree:
     scores: jax.Array  # [N] float32: joint draft log-prob of the path root -> node
 
 
+def root_only(batch: int) -> Tree:
+    """The trees of a round that drafts nothing (DDTree budget 0): the root alone per row, fields [batch, 1]. Its
+    verify is an AR step, so a batch where no tree pays for its draft and verify decodes as AR does, within the
+    speculative state (the drafter's context keeps up, so trees can return when fewer rows run)."""
+    one = lambda v, dtype: jnp.full((batch, 1), v, dtype)  # noqa: E731
+    return Tree(tokens=one(0, jnp.int32), parents=one(0, jnp.int32), depths=one(0, jnp.int32),
+                valid=one(True, bool), scores=one(0.0, jnp.float32))
+
+
 def ancestor_mask(tree: Tree) -> jax.Array:
     """[N, N] bool, vis[i, j] = j is i or an ancestor of i: the tree-attention mask for verify.
 

@@ -28,6 +28,8 @@ def test_best_budget_is_the_fastest_entry():
     assert speedup[4] == pytest.approx(1.8 * 10 / 16) and speedup[32] == pytest.approx(3.0 * 10 / 42)
     b, _ = best_budget(acceptance, 0.010, {4: 0.016, 8: 0.017, 32: 0.042})  # a cheap 8-node round
     assert b == 8
+    b, speedup = best_budget(acceptance, 0.010, {4: 0.019, 8: 0.025, 32: 0.042})  # a batch where no tree pays
+    assert b == 0 and max(speedup.values()) < 1
 
 
 def test_timing_stops_once_no_larger_budget_can_win():
@@ -77,9 +79,9 @@ def test_auto_measures_once_and_stays_lossless(tmp_path, monkeypatch):
     assert res.stats["budget"] == 7 and res.stats["budget_source"].startswith("default")  # no table: block_size - 1
 
     d.save(tmp_path / "d")
-    (tmp_path / "d" / "acceptance.json").write_text(json.dumps({"acceptance_length": {"2": 1.5, "6": 1.9}}))
-    d = jaxspec.load_drafter(tmp_path / "d", m)
-    assert d.acceptance == {2: 1.5, 6: 1.9}
+    (tmp_path / "d" / "acceptance.json").write_text(json.dumps({"acceptance_length": {"2": 2.9, "6": 6.5}}))
+    d = jaxspec.load_drafter(tmp_path / "d", m)  # acceptance lengths that trees on a tiny target repay
+    assert d.acceptance == {2: 2.9, 6: 6.5}
     res = jaxspec.generate(m, input_ids=PROMPT, drafter=d, budget="auto", max_new_tokens=24)
     assert res.stats["budget_source"] == "auto" and res.stats["budget"] in (2, 6)
     assert "2" in res.stats["predicted_speedup"] and set(res.stats["predicted_speedup"]) <= {"2", "6"}
@@ -95,7 +97,7 @@ def test_auto_measures_once_and_stays_lossless(tmp_path, monkeypatch):
     assert again.stats["budget"] == res.stats["budget"]
 
     d.save(tmp_path / "d2")  # the table travels with the weights
-    assert read_acceptance(tmp_path / "d2") == {2: 1.5, 6: 1.9}
+    assert read_acceptance(tmp_path / "d2") == {2: 2.9, 6: 6.5}
 
     monkeypatch.undo()
     monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path / "cache"))
@@ -118,6 +120,19 @@ def test_auto_times_at_the_batch_size(fake_timing, monkeypatch):
     assert seen == [4, 1, 8]
     assert set(json.loads(path.read_text())) == {budget_mod._key(m, d, TABLE, True, b) for b in (1, 4, 8)}
     assert budget_mod._key(m, d, TABLE, True, 1) == budget_mod._key(m, d, TABLE, True)
+
+
+def test_auto_decodes_ar_where_no_tree_pays(fake_timing):
+    """Where every timed round costs more AR steps than it emits tokens (a large batch), `auto` decodes AR, and says
+    so in the statistics."""
+    m, d = fake_timing.model, dataclasses.replace(fake_timing.drafter, acceptance=TABLE)
+    fake_timing.timings = [timing(r2=1.6, r6=2.5)]  # predicted 1.5 / 1.6 and 1.9 / 2.5 of AR's speed
+    res = jaxspec.generate(m, input_ids=PROMPT, drafter=d, budget="auto", max_new_tokens=12)
+    assert res.stats.method == "ar" and res.stats.budget is None and res.stats.rounds is None
+    assert res.stats.budget_source.startswith("auto: AR") and res.stats.predicted_speedup == {"2": 0.938, "6": 0.76}
+    assert res.token_ids == jaxspec.generate(m, input_ids=PROMPT, method="ar", max_new_tokens=12).token_ids
+    faster = dataclasses.replace(d, acceptance={2: 2.0, 6: 1.9})  # a new table, timed again: 2.0 / 1.2 > 1
+    assert budget_mod.choose(m, faster)[0] == 2
 
 
 def test_bad_budget():

@@ -61,3 +61,33 @@ def test_decode_over_the_live_rows_alone():
                 got = np.asarray(getattr(part.state, name))[b]
                 want = (np.asarray(getattr(full.state, name)) if b in live else before[name])[b]
                 np.testing.assert_array_equal(got, want, err_msg=f"live {live}, row {b}, {name}")
+
+
+def test_budget_zero_rounds_are_ar_steps():
+    """Rounds at budget 0 (what `auto` picks where no tree beats AR) draft nothing and verify each row's bonus
+    alone: one token per round, AR's tokens. The drafter's context still takes every committed token, as a fresh
+    prefill of the same tokens builds it, so trees can come back on the same state and stay lossless."""
+    m = tiny_target("qwen3")
+    d = jaxspec.init_drafter(m, num_layers=1, block_size=4, seed=1)
+    dec = Decoder(m, d, method="ddtree", budget=4)
+    prompts = [PROMPT, PROMPT[:5]]
+    want = [jaxspec.generate(m, input_ids=p, method="ar", max_new_tokens=16).token_ids for p in prompts]
+    r = dec.prefill(prompts, 16)
+    dec.decode(r, 7, budget=0)
+    s = r.state
+    emitted, rounds = np.asarray(s.emitted), np.asarray(s.rounds)
+    np.testing.assert_array_equal(rounds, emitted - 1)  # one token per round
+    assert np.asarray(s.accepted_hist)[:, 1:].sum() == 0 and np.asarray(s.tree_nodes).sum() == 0
+    done = dec.tokens(r)
+    assert all(got == w[: len(got)] for got, w in zip(done, want))
+
+    fresh = dec.prefill([p + t[:-1] for p, t in zip(prompts, done)], 4)  # the committed tokens, prefilled
+    for b, (p, t) in enumerate(zip(prompts, done)):
+        n = len(p) + len(t) - 1
+        assert int(s.draft_cache.length[b]) == int(fresh.state.draft_cache.length[b]) == n
+        for old, new in zip(s.draft_cache.layers, fresh.state.draft_cache.layers):
+            np.testing.assert_allclose(np.asarray(old.k)[b, :, :n], np.asarray(new.k)[b, :, :n], atol=2e-5)
+            np.testing.assert_allclose(np.asarray(old.v)[b, :, :n], np.asarray(new.v)[b, :, :n], atol=2e-5)
+
+    dec.decode(r, 16)  # trees again, on the same state
+    assert dec.tokens(r) == want and np.asarray(r.state.tree_nodes).sum() > 0

@@ -53,12 +53,17 @@ class Collector:
         return "".join(e.text for e in self.events)
 
 
-@pytest.mark.parametrize("method", ["ar", "ddtree"])
+@pytest.mark.parametrize("method", ["ar", "ddtree", "ddtree-dp2xtp2"])
 def test_requests_arriving_while_others_run(target, method):
     """Two rows, six requests: two at first, the rest submitted once the first has streamed text, one of them
     sampled. Every greedy request gets generate's tokens and text (EOS included where the target samples it).
-    DDTree rounds over one live row run alone at budget 2, over both at the decoder's 4."""
-    sched = scheduler(target, method, budgets={1: 2} if method == "ddtree" else None)
+    DDTree rounds over one live row run alone at budget 0 (AR steps, as `auto` picks where no tree pays), over
+    both at the decoder's 4. Sharded (`serve --dp 2 --tp 2`: a row per data-parallel group, heads over two
+    devices), every round runs both rows."""
+    model = target
+    if method.endswith("dp2xtp2"):
+        model, method = target.on_mesh(jaxspec.make_mesh(tp=2, dp=2)), "ddtree"
+    sched = scheduler(model, method, budgets={1: 0} if method == "ddtree" else None)
     try:
         reqs = [Request(p, m, on_event=Collector()) for p, m in zip(PROMPTS, LIMITS)]
         reqs[3].sampling = SamplingParams(1.0, 20)
