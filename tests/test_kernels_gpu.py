@@ -14,12 +14,19 @@ from flax import nnx
 
 import jaxspec
 from jaxspec import kernels
+from jaxspec.config import dense_config_from_dict
 from jaxspec.kernels import gpu, xla
 from jaxspec.models.attention import cache_mask, ring_mask, sliding
 from jaxspec.models.qwen3_next import HybridLM, hybrid_config_from_dict
 from jaxspec.segment import Segment
 from jaxspec.testing import oracle_drafter
 from jaxspec.tree import ancestor_mask, build_tree
+from pallas_kernels.kv_commit import GPU_INTERPRET
+
+# A tiny dense target whose head_dim (64) the flash-decoding kernel takes (the shared tiny configs use 16)
+TINY_64 = dict(model_type="qwen3", vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
+               rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 
 RNG = np.random.default_rng(0)
 
@@ -104,6 +111,62 @@ def test_attention_and_latent_attention_match_reference():
     assert int(gpu.extent(jnp.zeros((1, 1, 64), bool))) == 0
 
 
+@pytest.fixture
+def interpreted_kernel(monkeypatch):
+    """The GPU path's ranged cache attention through the Mosaic GPU kernel under JAX's interpreter (on a CPU the
+    program otherwise runs the blocked loop, and only a GPU program the kernel)."""
+    if GPU_INTERPRET is None:
+        pytest.skip("this JAX has no Mosaic GPU interpreter")
+    monkeypatch.setattr(gpu, "INTERPRET", True)
+
+
+@pytest.mark.parametrize("N,lengths,starts,tree", [
+    (1, [130, 7], [0, 3], False),  # AR steps: rows far apart, left padding, an edge mid-block
+    (9, [200, 64], [0, 0], True),  # a tree verify
+    (16, [0, 0], [0, 0], False),  # a prefill chunk into an empty cache: no committed slot at all
+])
+def test_flash_decoding_kernel_in_cache_attention(interpreted_kernel, N, lengths, starts, tree):
+    """A ranged cache_attention on bf16 runs the committed prefix through the kernel and merges this forward's keys
+    into its log-sum-exp: the reference's output within bf16's rounding of the probabilities."""
+    B, T, H, KVH, D = 2, 256, 4, 2, 64
+    length, mask = case(B, N, T, lengths, starts, tree=tree)
+    ks = jax.random.split(jax.random.key(3), 5)
+    q = jax.random.normal(ks[0], (B, N, H, D), jnp.bfloat16)
+    k_old, v_old = (jax.random.normal(x, (B, KVH, T, D), jnp.bfloat16) for x in ks[1:3])
+    k_new, v_new = (jax.random.normal(x, (B, N, KVH, D), jnp.bfloat16) for x in ks[3:5])
+    args = (q, k_old, v_old, k_new, v_new, length, mask, 0.125, None)
+    seen = []
+    spy = gpu.flash_decode
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gpu, "flash_decode", lambda *a, **kw: seen.append(kw["interpret"]) or spy(*a, **kw))
+        got = gpu.cache_attention(*args, ranged=True)
+    assert seen == [GPU_INTERPRET]
+    want = xla.cache_attention(*(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in args[:5]),
+                               *args[5:])
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2, rtol=0)
+
+
+def test_engine_exact_through_the_flash_decoding_kernel(interpreted_kernel):
+    """Greedy AR and DDTree (a batch of two, the oracle drafter) with every attention layer's committed prefix read by
+    the interpreted kernel, in the prefill, the AR steps and the verifies alike, equal AR on the reference forms.
+    float16, which the kernel takes: in bfloat16 the verify's and the AR step's products of different row counts
+    round apart often enough to flip a greedy token on either path."""
+    cfg = dense_config_from_dict({**__import__("test_engine").BASE, **TINY_64})
+    ref = jaxspec.random_model(cfg, seed=1, dtype=jnp.float16, kernels="xla")
+    ref.params = jax.tree.map(lambda x: x * 2.5, ref.params)
+    m = dataclasses.replace(ref, kernels="gpu")
+    prompts = [list(range(3, 16)), list(range(40, 47))]
+    want = [jaxspec.generate(ref, input_ids=p, method="ar", max_new_tokens=16).token_ids for p in prompts]
+    calls, spy = [], gpu.flash_decode
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gpu, "flash_decode", lambda *a, **kw: calls.append(1) or spy(*a, **kw))
+        assert jaxspec.generate(m, input_ids=prompts, method="ar", max_new_tokens=16).token_ids == want
+        d = oracle_drafter(m, [p + w for p, w in zip(prompts, want)], noise=0.3)
+        res = jaxspec.generate(m, input_ids=prompts, drafter=d, method="ddtree", budget=6, max_new_tokens=16)
+    assert res.token_ids == want and res.stats.acceptance_length > 1.5
+    assert calls  # traced through the kernel
+
+
 def with_gpu_path(model):
     return dataclasses.replace(model, params=model.plain_params(), kernels="gpu")
 
@@ -170,6 +233,9 @@ def test_cuda_lowering_reads_no_float32_as_long_as_the_buffer(N):
     """The target of [gpu-path]: on the GPU path no float32 tensor spans the buffer (scores, softmax) in an AR
     step, a verify or a prefill chunk; the references' lowering has them (so the check can fail), and the CPU
     backend's program for cuda is the GPU path's."""
-    assert f32_spanning(cuda_forward_text("xla", N))  # the whole-buffer reference: [.., 32768] f32 scores
-    assert not f32_spanning(cuda_forward_text("gpu", N)), f32_spanning(cuda_forward_text("gpu", N))
-    assert not f32_spanning(cuda_forward_text("cpu", N))  # platform_dependent's other branch
+    ref, fast, cpu = (cuda_forward_text(b, N) for b in ("xla", "gpu", "cpu"))
+    assert f32_spanning(ref) and "@mosaic_gpu" not in ref  # the whole-buffer reference: [.., 32768] f32 scores
+    assert not f32_spanning(fast), f32_spanning(fast)
+    assert not f32_spanning(cpu)  # platform_dependent's other branch
+    for text in (fast, cpu):  # the attention layer's committed prefix through the flash-decoding kernel
+        assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1

@@ -154,11 +154,13 @@ def latent_attention(q, latent, mask, scale: float, value_dim: int):
                          q, latent, mask)
 
 
-def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, softcap: float | None = None):
+def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, softcap: float | None = None,
+                    ranged: bool = False):
     """q [B, N, H, D] over a KV cache's committed slots and this forward's keys -> [B, N, H, D] (see
-    xla.cache_attention)."""
+    xla.cache_attention). ranged: every query sees the same committed slots, one range per row (no sliding
+    window), which the GPU path's flash-decoding kernel reads alone (gpu.cache_attention)."""
     ref = functools.partial(xla.cache_attention, scale=scale, softcap=softcap)
-    fast = functools.partial(gpu.cache_attention, scale=scale, softcap=softcap)
+    fast = functools.partial(gpu.cache_attention, scale=scale, softcap=softcap, ranged=ranged)
 
     def on_cpu(*args):
         return cpu.cache_attention(*args, scale, softcap, ref)

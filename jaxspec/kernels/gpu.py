@@ -21,8 +21,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxspec.kernels.xla import NEG_INF
+from pallas_kernels.decode_attention import flash_decode
+from pallas_kernels.kv_commit import GPU_INTERPRET
 
 BLOCK = 512  # slots per block: [G * N, 512] scores per KV head and row stay in the GPU's caches
+SMS = 132  # an H100's streaming multiprocessors: flash decoding splits a row's blocks until CTAs fill them
+# Tests: the committed prefix of a ranged cache_attention runs the Mosaic GPU kernel under JAX's interpreter on
+# this CPU too (otherwise only a GPU program runs it, and a CPU one runs the blocked loop below).
+INTERPRET = False
 
 
 def block_size(T: int) -> int:
@@ -93,11 +99,44 @@ def _blocks(carry, n_blocks, bs, qg, k, v, mask, G, scale, softcap, valid=None):
     return _fold(carry, n_blocks, k.shape[2] // bs, step)
 
 
-def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, softcap: float | None = None):
+def flash_fits(q, k, v) -> bool:
+    """Whether the Mosaic GPU kernel takes this committed prefix: bf16 / f16 throughout, head dims multiples of 64
+    up to 256, a buffer of whole 64-slot blocks, on one device (a custom call cannot be split by the partitioner,
+    which would gather the whole cache onto every device)."""
+    D, T = k.shape[-1], k.shape[2]
+    for x in (q, k, v):
+        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty and mesh.size > 1:
+            return False
+    return (q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == v.dtype == q.dtype and D % 64 == 0 and D <= 256
+            and T % 64 == 0)
+
+
+def _flash_prefix(qg, k, v, lo, hi, scale, softcap, interpret):
+    """The committed prefix [lo[b], hi[b]) through the kernel, as an online-softmax carry: its log-sum-exp is the
+    running maximum and its normalised output the values, whose sum is then 1 (an empty row: lse EMPTY_LSE =
+    NEG_INF and output 0, which the next block's larger maximum scales away)."""
+    B, K, R, D = qg.shape
+    T = k.shape[2]
+    bk = 128 if D <= 128 and T % 128 == 0 else 64  # the SMEM budget: D = 256 fits 64-slot blocks only
+    tiles = -(-R // 64)
+    splits = max(1, min(SMS // (B * K * tiles), T // bk, 16))  # flash decoding: fill the SMs with one row's blocks
+    o, lse = flash_decode(qg, k, v, lo, hi, scale=scale, softcap=softcap, block_kv=bk, num_splits=splits,
+                          interpret=interpret)
+    return lse, jnp.ones_like(lse), o
+
+
+def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, softcap: float | None = None,
+                    ranged: bool = False):
     """xla.cache_attention reading only row b's committed slots < length[b] (blocks up to the batch's longest) and
     this forward's keys: q [B, N, H, D]; k_old, v_old [B, KVH, T, D]; k_new, v_new [B, N, KVH, D]; mask [B, N, M]
     over the written cache (M = T, or T + N for a ring; new key i at column clip(length[b], 0, M - N) + i) ->
-    [B, N, H, D]."""
+    [B, N, H, D].
+
+    ranged: the caller promises that every query sees the same committed slots, one range per row from the first
+    set column to length[b] (a layer without a sliding window). A GPU program then reads them with the Mosaic GPU
+    flash-decoding kernel (`pallas_kernels.decode_attention`, where `flash_fits`), each row's own slots only, and
+    merges this forward's keys into its (output, log-sum-exp) as one more block."""
     B, N, H, D = q.shape
     KVH, T = k_old.shape[1], k_old.shape[2]
     G = H // KVH
@@ -105,8 +144,19 @@ def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, s
     qg = _group(q, KVH)
     bs = block_size(T)
     used = jnp.clip(length, 0, T)
-    carry = _blocks(_start(B, KVH, G * N, D), (used.max() + bs - 1) // bs, bs, qg, k_old, v_old, mask, G, scale,
-                    softcap, valid=lambda slots: (slots[None, :] < used[:, None])[:, None, :])
+
+    def blocked(qg, k_old, v_old, lo, used):
+        return _blocks(_start(B, KVH, G * N, D), (used.max() + bs - 1) // bs, bs, qg, k_old, v_old, mask, G, scale,
+                       softcap, valid=lambda slots: (slots[None, :] < used[:, None])[:, None, :])
+
+    if ranged and flash_fits(q, k_old, v_old):
+        seen = mask[:, 0, :T] & (jnp.arange(T)[None, :] < used[:, None])  # [B, T]: row b's committed range
+        lo = jnp.where(seen.any(1), jnp.argmax(seen, axis=1), used).astype(jnp.int32)
+        kernel = lambda *a: _flash_prefix(*a, scale, softcap, None)  # noqa: E731
+        here = (lambda *a: _flash_prefix(*a, scale, softcap, GPU_INTERPRET)) if INTERPRET else blocked
+        carry = lax.platform_dependent(qg, k_old, v_old, lo, used, cuda=kernel, default=here)
+    else:
+        carry = blocked(qg, k_old, v_old, None, used)
     s0 = jnp.clip(length, 0, mask.shape[-1] - N)
     own = jnp.take_along_axis(mask, jnp.broadcast_to((s0[:, None] + jnp.arange(N))[:, None, :], (B, N, N)), axis=2)
     kn, vn = k_new.transpose(0, 2, 1, 3).astype(k_old.dtype), v_new.transpose(0, 2, 1, 3).astype(v_old.dtype)

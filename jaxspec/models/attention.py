@@ -100,7 +100,7 @@ def attend(q, k, v, mask, scale, softcap=None):
     return kernels.attention(q, k, v, mask, scale, softcap)
 
 
-def attend_and_write(q, entry: KVEntry, k_new, v_new, length, mask, scale, softcap=None):
+def attend_and_write(q, entry: KVEntry, k_new, v_new, length, mask, scale, softcap=None, ranged: bool = False):
     """`attend` q over the cache plus this forward's k_new, v_new [B, N, KVH, D] (mask [B, N, T] as over the
     written cache: row b's new keys' columns are length[b] .. length[b] + N - 1), and the entry with them written.
 
@@ -109,7 +109,7 @@ def attend_and_write(q, entry: KVEntry, k_new, v_new, length, mask, scale, softc
     the cache as it was (slots < length) and the new keys beside it (`kernels.cache_attention`), and the write
     is made to depend on the attention's output, so XLA sees the read happen first and updates the buffer in
     place: no copies."""
-    o = attend_cache(q, entry.k, entry.v, k_new, v_new, length, mask, scale, softcap)
+    o = attend_cache(q, entry.k, entry.v, k_new, v_new, length, mask, scale, softcap, ranged)
     after = (o[0, 0, 0, 0] * 0).astype(k_new.dtype)  # 0 (NaN only if o is): a data dependence on the read
     return o, entry.write(k_new + after, v_new + after, length)
 
@@ -123,11 +123,12 @@ def attend_ring(q, entry: RingKVEntry, k_new, v_new, length, mask, scale, softca
     return o, entry.write(k_new + after, v_new + after, length)
 
 
-def attend_cache(q, k_old, v_old, k_new, v_new, length, mask, scale, softcap=None):
+def attend_cache(q, k_old, v_old, k_new, v_new, length, mask, scale, softcap=None, ranged: bool = False):
     """q [B, N, H, D] over the committed slots of k_old, v_old [B, KVH, T, D] (row b's slots < length[b] where
     mask) and k_new, v_new [B, N, KVH, D] (new key i where mask[b, :, length[b] + i]) -> [B, N, H, D]
-    (`kernels.cache_attention`)."""
-    return kernels.cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale, softcap)
+    (`kernels.cache_attention`). ranged: every query sees the same committed slots [start, length) (a layer
+    without a sliding window), so a GPU may read them with its flash-decoding kernel."""
+    return kernels.cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale, softcap, ranged)
 
 
 class Attention(nnx.Module):
@@ -186,5 +187,6 @@ class Attention(nnx.Module):
         else:
             if self.spec.window is not None:
                 mask = sliding(mask, positions, key_pos, self.spec.window)
-            o, entry = attend_and_write(q, entry, k, v, length, mask, self.spec.scale, self.spec.softcap)
+            o, entry = attend_and_write(q, entry, k, v, length, mask, self.spec.scale, self.spec.softcap,
+                                        ranged=self.spec.window is None)
         return self.o_proj(o.reshape(B, N, self.spec.num_heads * self.spec.head_dim)), entry

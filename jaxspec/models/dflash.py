@@ -49,7 +49,7 @@ def block_attention(attn: Attention, x, positions, ctx_k, ctx_v, ctx_mask, ctx_p
         slot = jnp.arange(T)
         s0 = jnp.clip(length, 0, T - N)[:, None, None]  # [B, 1, 1]: where attend_cache reads the new keys' visibility
         o = attend_cache(q, ctx_k, ctx_v, kb, vb, length, cm | ((slot >= s0) & (slot < s0 + N)), attn.spec.scale,
-                         attn.spec.softcap)
+                         attn.spec.softcap, ranged=attn.spec.window is None)
         return attn.o_proj(o.reshape(B, N, -1))
     k = jnp.concatenate([ctx_k, kb.transpose(0, 2, 1, 3).astype(ctx_k.dtype)], axis=2)
     v = jnp.concatenate([ctx_v, vb.transpose(0, 2, 1, 3).astype(ctx_v.dtype)], axis=2)

@@ -278,7 +278,8 @@ class Attention(nnx.Module):
         elif ring:
             o, entry = attend_ring(q, entry, *self.keys_values(x, positions), length, mask, 1.0)
         else:
-            o, entry = attend_and_write(q, entry, *self.keys_values(x, positions), length, mask, 1.0)
+            o, entry = attend_and_write(q, entry, *self.keys_values(x, positions), length, mask, 1.0,
+                                        ranged=s.window is None)
         return self.o_proj(o.reshape(B, N, s.num_heads * s.head_dim)), entry
 
 

@@ -179,7 +179,7 @@ class GatedAttention(Attention):
         q, gate = jnp.split(qg.reshape(B, N, nH, 2 * D), 2, axis=-1)
         q = self.rope(self.q_norm(q), positions)
         k = self.rope(self.k_norm(k.reshape(B, N, nKV, D)), positions)
-        o, entry = attend_and_write(q, entry, k, v.reshape(B, N, nKV, D), length, mask, self.spec.scale)
+        o, entry = attend_and_write(q, entry, k, v.reshape(B, N, nKV, D), length, mask, self.spec.scale, ranged=True)
         o = o.reshape(B, N, nH * D)
         return self.o_proj(o * jax.nn.sigmoid(gate.reshape(B, N, nH * D))), entry
 

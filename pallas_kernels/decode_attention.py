@@ -1,0 +1,243 @@
+"""Flash decoding over the committed slots of a KV cache: a Mosaic GPU (Hopper) kernel and its reference.
+
+During speculative decoding each batch row b has its committed prefix in cache slots lo[b] <= j < hi[b] of a
+buffer sized for the longest request (T slots), while the tree nodes being verified sit elsewhere. Attention of
+the R query rows that share a KV head (GQA group x tree nodes) over that prefix is computed here as a pair
+(o, lse): the normalised output and the log-sum-exp of the visible scores. The caller merges it exactly with
+the attention over the tree block by log-sum-exp:
+
+    lse = logaddexp(lse1, lse2);  o = exp(lse1 - lse) * o1 + exp(lse2 - lse) * o2
+
+A row with no visible slot (hi <= lo) gets o = 0 and lse = EMPTY_LSE, a finite large negative number, so the
+merge needs no special case and never produces NaN.
+
+`flash_decode` is the kernel. One CTA (a single warpgroup) per (batch row, KV head, 64-query tile, split) loops
+over the KV blocks that overlap [lo, hi) only, a loop whose trip count is read from lo/hi at run time: a
+32k-slot buffer holding 500 tokens reads about 500 slots. With num_splits > 1 the row's blocks are shared out
+among that many CTAs (flash decoding: B x K CTAs alone would leave most of a GPU's SMs idle) and their partial
+(o, lse) are merged afterwards by `merge_partials`. K/V blocks arrive by TMA into a double buffer (block j+1 is
+fetched while block j is used); q k^T and p v are two wgmma's from shared memory (p is staged there in the
+input dtype) into f32 accumulators, with an online softmax in registers between them; partial edge blocks are
+masked. Slots of an edge block outside [lo, hi) are read and must be finite (a stale or zeroed cache slot is):
+a masked probability 0 times an infinite or NaN value would still be NaN. Not tuned: no warp specialisation,
+each wgmma is awaited at once. MLA's 512-wide values do not fit (a wgmma's N is at most 256, and a 64 x 512
+f32 accumulator would need 256 registers per thread).
+
+`flash_decode_reference` is the same contract in plain jnp (float32 math over the whole buffer with a mask).
+
+How it was checked, on CPU only (tests/test_decode_attention.py): under JAX's Mosaic GPU interpreter
+(`GPU_INTERPRET`: simulated TMA copies, barriers, SMEM initialised to NaN, wgmma as a matmul) against the
+reference, and lowered with `jax.export(..., platforms=("cuda",))` to one Mosaic GPU custom call. Two things
+differ under the interpreter, because it has no rule for them: `plgpu.layout_cast` (a register layout hint
+for the GPU lowering only; skipped) and a transposed wgmma operand (`plgpu.transpose_ref` of the K block;
+the interpreter stages k^T into a second SMEM buffer with a register transpose instead). So the K^T operand
+of the real kernel is checked by the lowering only (shapes and transforms, not values). The interpreter also
+completes each TMA copy at once, so it would not notice a missing barrier wait. Never run on a real GPU here.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+EMPTY_LSE = -1e30  # lse of a row with no visible slot: finite, so a log-sum-exp merge gives the other block
+BLOCK_Q = 64  # query rows per CTA: one warpgroup's wgmma M
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+
+def flash_decode_reference(q, k, v, lo, hi, *, scale, softcap=None):
+    """Attention of q over slots lo[b] <= j < hi[b] of k/v, float32 math. Same contract as `flash_decode`.
+
+    q: [B, K, R, D]; k: [B, K, T, D]; v: [B, K, T, Dv]; lo, hi: [B] int. Returns o [B, K, R, Dv] f32 and
+    lse [B, K, R] f32 (natural log); an empty range gives o = 0, lse = EMPTY_LSE.
+    """
+    T = k.shape[2]
+    s = jnp.einsum("bkrd,bktd->bkrt", q.astype(jnp.float32), k.astype(jnp.float32)) * scale  # [B, K, R, T]
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    t = jnp.arange(T)
+    visible = (t >= jnp.asarray(lo)[:, None]) & (t < jnp.asarray(hi)[:, None])  # [B, T]
+    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # empty rows: every score is -inf
+    p = jnp.exp(s - m)
+    l = jnp.sum(p, axis=-1)  # [B, K, R]
+    o = jnp.einsum("bkrt,bktd->bkrd", p, v.astype(jnp.float32)) / jnp.where(l > 0, l, 1.0)[..., None]
+    lse = jnp.where(l > 0, m[..., 0] + jnp.log(jnp.where(l > 0, l, 1.0)), EMPTY_LSE)
+    return o, lse
+
+
+def merge_partials(o, lse):
+    """Exact attention over the union of disjoint slot sets from the partial results over each set.
+
+    o: [S, ..., Dv] f32, lse: [S, ...] f32 (S partials, e.g. the committed prefix and the tree block, or the
+    splits of one range). Returns o [..., Dv], lse [...]; partials with lse = EMPTY_LSE weigh nothing, and a
+    result with no visible slot at all keeps o = 0 and lse = EMPTY_LSE (in f32, EMPTY_LSE + log(S) rounds back
+    to EMPTY_LSE).
+    """
+    m = lse.max(axis=0)  # [...]
+    w = jnp.exp(lse - m)  # [S, ...]: 1 for the largest partial, so den >= 1
+    den = w.sum(axis=0)
+    return (w[..., None] * o).sum(axis=0) / den[..., None], m + jnp.log(den)
+
+
+def _kernel(lohi_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_kv, num_splits, scale, softcap, interpreted):
+    """One CTA: batch row b, KV head h, query tile t, split s of the row's blocks. Refs are GMEM: lohi [B, 2]
+    int32, q [B, K, Rp, D], k [B, K, T, D], v [B, K, T, Dv], o [S, B, K, Rp, Dv] f32, lse [S, B, K, Rp] f32."""
+    bk = block_kv
+    D, Dv = k_ref.shape[-1], v_ref.shape[-1]
+    dtype = q_ref.dtype
+    b, h, t, sp = (lax.axis_index(name) for name in ("b", "h", "t", "s"))
+    lo, hi = lohi_ref[b, 0], lohi_ref[b, 1]
+    first = lo // bk
+    n = jnp.where(hi > lo, (hi + bk - 1) // bk - first, 0)  # blocks first .. first+n-1 overlap [lo, hi)
+    per = (n + num_splits - 1) // num_splits
+    first = first + sp * per  # this split's blocks: first .. last-1 (none when first >= last)
+    last = jnp.minimum(first + per, lo // bk + n)
+    rows = pl.ds(t * BLOCK_Q, BLOCK_Q)
+
+    def cast(x, layout):
+        """Pin a register layout for the GPU lowering (loop carries must match the body's layouts); the
+        interpreter has no rule for layout_cast and needs none."""
+        return x if interpreted else plgpu.layout_cast(x, layout)
+
+    swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))  # wgmma operands: 128-byte swizzle
+
+    def with_q(q_smem, q_bar):
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_smem, q_bar.at[0])
+        plgpu.barrier_wait(q_bar.at[0])
+
+        def loop(k_smem, v_smem, p_smem, k_bar, v_bar, kt_smem=None):
+            def fetch(j, slot):  # KV block j -> buffer slot
+                blk = pl.ds(j * bk, bk)
+                plgpu.copy_gmem_to_smem(k_ref.at[b, h, blk], k_smem.at[slot], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[b, h, blk], v_smem.at[slot], v_bar.at[slot])
+
+            @pl.when(first < last)
+            def _():
+                fetch(first, 0)
+
+            def step(j, carry):
+                acc, m, l = carry  # [64, Dv] f32, [64] and [64] f32 (m in log2 units)
+                slot = lax.rem(j - first, 2)
+
+                @pl.when(j + 1 < last)
+                def _():
+                    fetch(j + 1, 1 - slot)  # its previous user, block j-1, is finished
+
+                plgpu.barrier_wait(k_bar.at[slot])
+                if interpreted:
+                    kt_smem[...] = k_smem.at[slot][...].T  # [D, bk]
+                    plgpu.commit_smem()
+                    kt = kt_smem
+                else:
+                    kt = plgpu.transpose_ref(k_smem.at[slot], (1, 0))  # [D, bk]
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, kt)
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((BLOCK_Q, bk), jnp.float32))  # [64, bk]
+                if softcap is None:
+                    s = s * (scale * _LOG2E)
+                else:
+                    s = jnp.tanh(s * (scale / softcap)) * (softcap * _LOG2E)
+                col = cast(lax.broadcasted_iota(jnp.int32, (BLOCK_Q, bk), 1), plgpu.Layout.WGMMA) + j * bk
+                s = jnp.where((col >= lo) & (col < hi), s, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                p_smem[...] = p.astype(dtype)
+                plgpu.commit_smem()  # generic-proxy writes must be visible to the wgmma
+                plgpu.barrier_wait(v_bar.at[slot])
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                    return acc_ref[...]
+
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_Q, Dv), jnp.float32))
+                return acc, m_new, l
+
+            acc = cast(jnp.zeros((BLOCK_Q, Dv), jnp.float32), plgpu.Layout.WGMMA)
+            # m starts finite: m - m_new is then never -inf - (-inf), even for a block with no visible slot
+            m = cast(jnp.full((BLOCK_Q,), EMPTY_LSE, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l = cast(jnp.zeros((BLOCK_Q,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            return lax.fori_loop(first, last, step, (acc, m, l))
+
+        acc, m, l = pl.run_scoped(
+            loop,
+            plgpu.SMEM((2, bk, D), dtype, transforms=swz),
+            plgpu.SMEM((2, bk, Dv), dtype, transforms=swz),
+            plgpu.SMEM((BLOCK_Q, bk), dtype, transforms=swz),
+            plgpu.Barrier(num_barriers=2),
+            plgpu.Barrier(num_barriers=2),
+            *([plgpu.SMEM((D, bk), dtype, transforms=swz)] if interpreted else []),
+        )
+        seen = l > 0
+        l_safe = jnp.where(seen, l, 1.0)
+        o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+        lse = jnp.where(seen, m * _LN2 + jnp.log(l_safe), EMPTY_LSE)
+
+        def store(o_smem, lse_smem):  # reuses the loop's SMEM
+            o_smem[...] = o
+            lse_smem[...] = lse
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[sp, b, h, rows])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[sp, b, h, rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(store, plgpu.SMEM((BLOCK_Q, Dv), jnp.float32), plgpu.SMEM((BLOCK_Q,), jnp.float32))
+
+    pl.run_scoped(with_q, plgpu.SMEM((BLOCK_Q, D), dtype, transforms=swz), plgpu.Barrier(num_barriers=1))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "block_kv", "num_splits", "interpret"))
+def flash_decode(q, k, v, lo, hi, *, scale, softcap=None, block_kv=64, num_splits=1, interpret=None):
+    """Attention of q over cache slots lo[b] <= j < hi[b], reading only the KV blocks that overlap them.
+
+    q: [B, K, R, D] bf16/f16 (K KV heads, R query rows per KV head, any R >= 1: padded to a multiple of 64);
+    k: [B, K, T, D], v: [B, K, T, Dv] (same dtype; T a multiple of block_kv; D, Dv multiples of 64, Dv <= 256);
+    lo, hi: [B] int32 (clipped to [0, T]). scale, softcap: Python floats (softcap: s = c * tanh(s / c)).
+    block_kv: KV slots per block (a multiple of 64 up to 256); the GPU lowering refuses a kernel over 227 KiB
+    of SMEM, about (64 D + 2 block_kv (D + Dv) + 64 block_kv) * 2 bytes: D = Dv = 256 needs block_kv = 64.
+    num_splits: CTAs sharing one row's blocks (flash decoding: with few rows and heads, one CTA per (b, k)
+    would leave most SMs idle); their partial results are merged by `merge_partials` outside the kernel.
+    interpret: None (compile for GPU) or `GPU_INTERPRET` (JAX's Mosaic GPU interpreter, on CPU).
+
+    Returns o [B, K, R, Dv] f32 and lse [B, K, R] f32, as `flash_decode_reference`.
+    """
+    B, K, R, D = q.shape
+    T, Dv = k.shape[2], v.shape[3]
+    dtype = q.dtype
+    if k.shape != (B, K, T, D) or v.shape[:3] != (B, K, T):
+        raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape} do not agree on [B, K, T, D]")
+    if dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != dtype or v.dtype != dtype:
+        raise ValueError(f"q, k, v must all be bfloat16 or all float16, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if D % 64 or Dv % 64 or Dv > 256:
+        raise ValueError(f"head dims must be multiples of 64 with Dv <= 256 (a wgmma's N), got D={D}, Dv={Dv}")
+    if block_kv % 64 or not 64 <= block_kv <= 256 or T % block_kv:
+        raise ValueError(f"block_kv must be 64..256 in steps of 64 and divide T={T}, got {block_kv}")
+    nt = pl.cdiv(R, BLOCK_Q)
+    Rp = nt * BLOCK_Q
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, Rp - R), (0, 0)))  # [B, K, Rp, D]
+    lohi = jnp.stack([jnp.clip(lo, 0, T), jnp.clip(hi, 0, T)], axis=1).astype(jnp.int32)  # [B, 2]
+    kernel = functools.partial(_kernel, block_kv=block_kv, num_splits=num_splits, scale=float(scale),
+                               softcap=None if softcap is None else float(softcap), interpreted=interpret is not None)
+    o, lse = plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((num_splits, B, K, Rp, Dv), jnp.float32),
+                  jax.ShapeDtypeStruct((num_splits, B, K, Rp), jnp.float32)),
+        grid=(B, K, nt, num_splits),
+        grid_names=("b", "h", "t", "s"),
+        interpret=interpret,
+    )(lohi, q, k, v)
+    o, lse = o[:, :, :, :R], lse[:, :, :, :R]
+    return (o[0], lse[0]) if num_splits == 1 else merge_partials(o, lse)
