@@ -239,3 +239,8 @@ def test_cuda_lowering_reads_no_float32_as_long_as_the_buffer(N):
     assert not f32_spanning(cpu)  # platform_dependent's other branch
     for text in (fast, cpu):  # the attention layer's committed prefix through the flash-decoding kernel
         assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+    if N == 1:  # JAXSPEC_FLASH_DECODE=0: the blocked loop, still reading only the used slots
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(gpu, "FLASH_DECODE", False)
+            off = cuda_forward_text("gpu", N)
+        assert "@mosaic_gpu" not in off and not f32_spanning(off)

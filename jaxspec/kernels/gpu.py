@@ -16,6 +16,8 @@ nobody reads.
 """
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -26,8 +28,11 @@ from pallas_kernels.kv_commit import GPU_INTERPRET
 
 BLOCK = 512  # slots per block: [G * N, 512] scores per KV head and row stay in the GPU's caches
 SMS = 132  # an H100's streaming multiprocessors: flash decoding splits a row's blocks until CTAs fill them
-# Tests: the committed prefix of a ranged cache_attention runs the Mosaic GPU kernel under JAX's interpreter on
-# this CPU too (otherwise only a GPU program runs it, and a CPU one runs the blocked loop below).
+# GPU programs read a ranged cache_attention's committed prefix with the Mosaic GPU kernel unless
+# JAXSPEC_FLASH_DECODE=0: it has not run on a GPU yet, and this keeps a way around it should its compile fail on
+# some card or JAX version (bench/gpu_check.py turns it off by itself when its own check of the kernel fails).
+FLASH_DECODE = os.environ.get("JAXSPEC_FLASH_DECODE", "1") != "0"
+# Tests: the kernel under JAX's interpreter on this CPU too (a CPU program otherwise runs the blocked loop below).
 INTERPRET = False
 
 
@@ -149,7 +154,7 @@ def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, s
         return _blocks(_start(B, KVH, G * N, D), (used.max() + bs - 1) // bs, bs, qg, k_old, v_old, mask, G, scale,
                        softcap, valid=lambda slots: (slots[None, :] < used[:, None])[:, None, :])
 
-    if ranged and flash_fits(q, k_old, v_old):
+    if ranged and FLASH_DECODE and flash_fits(q, k_old, v_old):
         seen = mask[:, 0, :T] & (jnp.arange(T)[None, :] < used[:, None])  # [B, T]: row b's committed range
         lo = jnp.where(seen.any(1), jnp.argmax(seen, axis=1), used).astype(jnp.int32)
         kernel = lambda *a: _flash_prefix(*a, scale, softcap, None)  # noqa: E731
