@@ -2,7 +2,8 @@
 Llama and Qwen3.6-27B (hybrid GDN), bf16, on one GPU (an H100 80 GB holds the 27B's 54 GB), in one run:
 
   * HBM bandwidth (a 4 GiB bf16 copy and a 4 GiB read), the roofline every time below is compared with;
-  * the KV and latent commit kernels (Pallas, Mosaic GPU) against their XLA references;
+  * the KV and latent commit kernels (Pallas, Mosaic GPU) against their XLA references, and the flash-decoding
+    kernel (Mosaic GPU) against the blocked loop it replaced (turned off for the targets should it fail);
   * per target, the 8B first: one AR step and one tree verify (budgets 64, then 16 / 128 / 32) behind 500
     committed tokens, in a tight buffer (768 slots) and a realistic one (32k slots), since attention reads the
     whole buffer; the roofline of an AR step is the bytes it reads (the weights but the embedding table's unread
@@ -39,7 +40,8 @@ from flax import nnx
 
 import jaxspec
 from jaxspec.config import dense_config_from_dict
-from jaxspec.kernels import use
+from jaxspec.kernels import gpu, use
+from jaxspec.models.attention import cache_mask
 from jaxspec.models.qwen3_next import hybrid_config_from_dict
 from jaxspec.segment import Segment
 from jaxspec.testing import oracle_drafter
@@ -79,10 +81,11 @@ class Plan:
     more_budgets: tuple[int, ...] = (16, 128, 32)  # then these, if time allows
     batches: tuple[int, ...] = (4, 16)  # batched AR step and verify (B rows x (1 + batch_budget) nodes), last
     batch_budget: int = 16
+    attention: tuple[int, int, int] = (24, 4, 256)  # the flash-decoding check's heads, KV heads, head_dim: Qwen3.6's
 
 
 DRY = Plan(dtype="float32", long=1024, reps=2, bandwidth_elems=1 << 20, commit_slots=512, new_tokens=24,
-           more_budgets=(16,), batches=(2,), batch_budget=8)
+           more_budgets=(16,), batches=(2,), batch_budget=8, attention=(4, 2, 64))
 
 
 class Interrupted(BaseException):
@@ -199,6 +202,43 @@ def commits(out: dict, plan: Plan) -> None:
     failed = [r["cache"] for r in rows if "error" in r]
     if failed:
         raise RuntimeError(f"commit kernels failed: {', '.join(failed)}")
+
+
+def decode_kernel(out: dict, plan: Plan) -> None:
+    """The flash-decoding kernel that GPU programs read a layer's committed prefix with (gpu.cache_attention,
+    ranged) against the blocked loop it replaced, in bf16 behind plan.used tokens of a plan.long-slot buffer: an AR
+    step and a budget-64 verify, their outputs compared and both timed. If the kernel fails or disagrees it is
+    turned off (gpu.FLASH_DECODE) for the targets after it, which then run the blocked loop, and the error is
+    recorded. The dry run (a CPU) runs it under JAX's Mosaic GPU interpreter."""
+    H, KVH, D = plan.attention
+    T, used = plan.long, plan.used
+    gpu.INTERPRET = jax.default_backend() == "cpu"
+    out["rows"] = rows = []
+    try:
+        for N in (1, 65):
+            ks = jax.random.split(jax.random.key(N), 5)
+            q = jax.random.normal(ks[0], (1, N, H, D), jnp.bfloat16)
+            k_old, v_old = (jax.random.normal(x, (1, KVH, T, D), jnp.bfloat16) for x in ks[1:3])
+            k_new, v_new = (jax.random.normal(x, (1, N, KVH, D), jnp.bfloat16) for x in ks[3:5])
+            length, start = jnp.full((1,), used, jnp.int32), jnp.zeros((1,), jnp.int32)
+            visible = jnp.tril(jnp.ones((1, N, N), bool))
+            mask, _ = cache_mask(used + jnp.arange(N)[None], length, start, visible, T)
+            fns = {name: jax.jit(functools.partial(gpu.cache_attention, scale=D ** -0.5, ranged=ranged))
+                   for name, ranged in (("kernel", True), ("blocked", False))}
+            args = (q, k_old, v_old, k_new, v_new, length, mask)
+            got, want = (np.asarray(f(*args), np.float32) for f in fns.values())
+            row = dict(query_rows=H // KVH * N, slots=T, used=used, max_abs_diff=float(np.abs(got - want).max()))
+            rows.append(row)
+            for name, f in fns.items():  # (the interpreter's time means nothing)
+                row[f"{name}_us"] = float("nan") if gpu.INTERPRET else timed(f, *args, reps=plan.reps)[0] * 1e6
+            if not row["max_abs_diff"] < 0.05:  # bf16 probabilities: a few 1e-3 apart at most
+                raise RuntimeError(f"the kernel differs from the blocked loop by {row['max_abs_diff']:.3g}")
+    except Exception:
+        gpu.FLASH_DECODE = False
+        out["turned_off"] = True
+        raise
+    finally:
+        gpu.INTERPRET = False
 
 
 # ------------------------------------------------------------------------------------------ targets
@@ -426,6 +466,10 @@ def summary(report: dict) -> None:
     bw = s.get("bandwidth", {})
     if "gb_per_s" in bw:
         print(f"\nHBM: copy {bw['copy_gb_per_s']:.0f} GB/s, read {bw['read_gb_per_s']:.0f} GB/s")
+    for row in s.get("decode_kernel", {}).get("rows", []):
+        kernel, blocked = row.get("kernel_us", float("nan")), row.get("blocked_us", float("nan"))
+        print(f"flash decode, {row['query_rows']} query rows over {row['used']} of {row['slots']} slots: kernel "
+              f"{kernel:.1f} us, blocked loop {blocked:.1f} us, max diff {row['max_abs_diff']:.2g}")
     for row in s.get("commit_kernels", {}).get("rows", []):
         print(f"commit {row['cache']} T={row['T']}: xla {row.get('xla_us', float('nan')):.1f} us, "
               f"pallas {row.get('pallas_us', float('nan')):.1f} us, same {row.get('same_as_xla')}")
@@ -486,6 +530,7 @@ def main():
     try:
         report.section(sections, "bandwidth", bandwidth, plan, need_s=10, clock=clock)
         report.section(sections, "commit_kernels", commits, plan, need_s=20, clock=clock)
+        report.section(sections, "decode_kernel", decode_kernel, plan, need_s=20, clock=clock)
         for i, (name, base) in enumerate(TARGETS):
             share = clock.share(0.4 if i < len(TARGETS) - 1 else 1.0)  # the 8B must leave the 27B its time
             report.section(sections, name, target, report, base, args, plan, share, need_s=30, clock=share)
