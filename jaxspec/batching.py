@@ -84,8 +84,8 @@ def generate_many(model: Model, input_ids: list[list[int]], max_new_tokens: int 
         if first in eos_set or limits[i] <= 1:
             finish(b)
 
-    run = dec.prefill([input_ids[i] for i in range(B)], limits[:B], jax.random.key(seed), max_len=max_len,
-                      out_len=chunk)
+    key, refills = jax.random.key(seed), 0
+    run = dec.prefill([input_ids[i] for i in range(B)], limits[:B], key, max_len=max_len, out_len=chunk)
     for b, t in enumerate(to_host(run.state.out)[:, 0].tolist()):
         start_row(b, b, t)
 
@@ -93,7 +93,9 @@ def generate_many(model: Model, input_ids: list[list[int]], max_new_tokens: int 
         free = [b for b in range(B) if owner[b] is None]
         take = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
         if take:
-            first = dec.refill(run, free[: len(take)], [input_ids[i] for i in take], [limits[i] for i in take])
+            refills += 1  # each refill's rows get streams of their own
+            first = dec.refill(run, free[: len(take)], [input_ids[i] for i in take], [limits[i] for i in take],
+                               jax.random.fold_in(key, refills))
             for b, i, t in zip(free, take, first):
                 start_row(b, i, t)
         live = [b for b in range(B) if owner[b] is not None]

@@ -260,8 +260,8 @@ class Decoder:
                key: jax.Array | None = None, sampling: list[SamplingParams] | None = None) -> list[int]:
         """Continuous batching: `prompts` enter the finished rows `slots` with `limits` new tokens each; returns
         their first tokens. Groups are padded to a power of two (few distinct compiles). key: the new rows' rng
-        (speculative methods: one key, or one per prompt; AR draws from the batch's stream). sampling: each new
-        row's settings (a SamplingParams(per_row=True) decoder).
+        streams (one key, split per prompt, or one per prompt). sampling: each new row's settings (a
+        SamplingParams(per_row=True) decoder).
 
         AR rows move in lockstep, so each prompt is prefilled to end where the other rows' tokens end (the live
         rows slide right first where a prompt is longer). A speculative row owns its length, so its prompt
@@ -301,8 +301,8 @@ class Decoder:
             run.state = engine.ar_reslot(run.state, jnp.int32(length - P), max_len=run.state.cache.max_len,
                                          layout=m.layout)
         run.state, first = engine.ar_refill(m.jit_def, m.params, run.state, rows, jnp.asarray(tokens),
-                                            jnp.asarray(start), max_new, row_sampling, sampling=self.sampling,
-                                            eos=self.eos, layout=m.layout)
+                                            jnp.asarray(start), max_new, jax.random.key(0) if key is None else key,
+                                            row_sampling, sampling=self.sampling, eos=self.eos, layout=m.layout)
         return to_host(first)[:n].tolist()
 
     def cancel(self, run: Run, rows: list[int]) -> None:

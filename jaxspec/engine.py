@@ -47,7 +47,7 @@ class ARState:
     emitted: jax.Array  # [B] tokens generated per row (a row stops counting once done)
     steps: jax.Array  # [] target forwards so far, the prefill included (= tokens per unfinished row)
     done: jax.Array  # [B] bool: EOS sampled or max_new reached
-    key: jax.Array
+    key: jax.Array  # [B] one rng stream per row, so a row samples the same tokens whatever else runs
     max_new: jax.Array  # [] or [B] int32: tokens each row may generate
     row_sampling: RowSampling | None = None  # each row's settings under SamplingParams(per_row=True)
 
@@ -66,6 +66,22 @@ def _on_kernels(step):
 def _pin(layout: Layout | None, cache: Cache) -> Cache:
     """Keep a cache sharded like the layers that write it (a no-op on one device)."""
     return cache if layout is None else layout.constrain(cache)
+
+
+def _sample_rows(logits, keys, sampling: SamplingParams, rows: RowSampling | None = None):
+    """logits [B, ..., V] -> tokens [B, ...], row b drawn with keys[b] (greedy needs no key) and, per_row, with
+    its own settings rows[b]."""
+    if sampling.greedy:
+        return sample(logits, None, sampling)
+    if sampling.per_row:
+        return sample_per_row(logits, keys, rows)
+    return jax.vmap(lambda x, k: sample(x, k, sampling))(logits, keys)
+
+
+def _split_rows(keys):
+    """keys [B] -> (next keys [B], subkeys [B])."""
+    pair = jax.vmap(jax.random.split)(keys)  # [B, 2]
+    return pair[:, 0], pair[:, 1]
 
 
 # Prompt tokens per prefill forward: a longer prompt is prefilled in chunks (prefill_forward), so the attention's
@@ -116,11 +132,12 @@ def ar_prefill(target_def, target_params, tokens, start, key, max_new, row_sampl
                max_len, out_len, sampling: SamplingParams, eos, layout: Layout | None = None,
                chunk: int = PREFILL_CHUNK) -> ARState:
     """Left-padded prompts tokens [B, P] (row b's first real slot is start[b]) -> state with the first token.
-    row_sampling: each row's settings when sampling.per_row."""
+    key: one key (split per row) or [B] keys; row_sampling: each row's settings when sampling.per_row."""
     target = nnx.merge(target_def.graphdef, target_params)
     B, P = tokens.shape
+    keys = key if key.shape == (B,) else jax.random.split(key, B)
     cache, tok, key = _prefill(target, tokens, start, _pin(layout, target.init_cache(B, max_len).with_start(start)),
-                               key, sampling, chunk, row_sampling)
+                               keys, sampling, chunk, row_sampling)
     return ARState(
         cache=_pin(layout, cache), last=tok, out=jnp.zeros((B, out_len), jnp.int32).at[:, 0].set(tok),
         emitted=jnp.ones((B,), jnp.int32), steps=jnp.int32(1),
@@ -132,12 +149,13 @@ def ar_prefill(target_def, target_params, tokens, start, key, max_new, row_sampl
 def _prefill(target, tokens, start, cache: Cache, key, sampling: SamplingParams, chunk: int = PREFILL_CHUNK,
              row_sampling: RowSampling | None = None):
     """Left-padded prompts tokens [B, P] through `cache` (its start = start) -> (cache advanced by P, each row's
-    first token [B], the next key). The pads' positions are clamped to 0: no real token ever attends to them."""
+    first token [B] drawn with its key of keys [B], the next keys). The pads' positions are clamped to 0: no real
+    token ever attends to them."""
     B, P = tokens.shape
     positions = jnp.maximum(jnp.arange(P)[None, :] - start[:, None], 0)
     logits, cache, _ = prefill_forward(target, tokens, positions, P, cache, chunk=chunk)
-    key, sub = jax.random.split(key)
-    return cache, sample(logits, sub, sampling, row_sampling), key
+    key, sub = _split_rows(key)
+    return cache, _sample_rows(logits, sub, sampling, row_sampling), key
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "sampling", "eos", "layout"), donate_argnames=("state",))
@@ -154,8 +172,8 @@ def ar_decode(target_def, target_params, state: ARState, stop_at, *, sampling: S
     def body(s: ARState):
         positions = (s.cache.length - s.cache.start)[:, None]  # [B, 1]
         logits, _, cache = target(s.last[:, None], Segment.causal(positions), s.cache)
-        key, sub = jax.random.split(s.key)
-        tok = sample(logits[:, 0], sub, sampling, s.row_sampling)
+        key, sub = _split_rows(s.key)
+        tok = _sample_rows(logits[:, 0], sub, sampling, s.row_sampling)
         live = ~s.done
         out = jax.lax.dynamic_update_slice(s.out, jnp.where(live, tok, 0)[:, None], (0, s.steps))
         done = s.done | jnp.isin(tok, eos_ids) | (s.emitted + 1 >= s.max_new)
@@ -167,18 +185,20 @@ def ar_decode(target_def, target_params, state: ARState, stop_at, *, sampling: S
 
 @functools.partial(jax.jit, static_argnames=("target_def", "sampling", "eos", "layout"), donate_argnames=("state",))
 @_on_kernels
-def ar_refill(target_def, target_params, state: ARState, rows, tokens, start, max_new,
+def ar_refill(target_def, target_params, state: ARState, rows, tokens, start, max_new, key,
               row_sampling: RowSampling | None = None, *, sampling: SamplingParams, eos,
               layout: Layout | None = None) -> tuple[ARState, jax.Array]:
     """Continuous batching: rows `rows` [R] (finished; indices >= B are padding and ignored) start new prompts.
 
     tokens [R, P] left-padded (row r's first real slot start[r]) are prefilled into a fresh P-slot cache that
     put_rows places so each prompt ends at the batch's `length`; the rows then decode on with the others,
-    `max_new` [R] tokens each (and row_sampling [R] settings when sampling.per_row). Returns the state (per-row
-    max_new) and each new row's first token [R]."""
+    `max_new` [R] tokens each (and row_sampling [R] settings when sampling.per_row), each new row with its own rng
+    stream (key: one key, split per row, or [R] keys). Returns the state (per-row max_new) and each new row's
+    first token [R]."""
     target = nnx.merge(target_def.graphdef, target_params)
     R, P = tokens.shape
-    fresh, tok, key = _prefill(target, tokens, start, target.init_cache(R, P).with_start(start), state.key, sampling,
+    keys = key if key.shape == (R,) else jax.random.split(key, R)
+    fresh, tok, key = _prefill(target, tokens, start, target.init_cache(R, P).with_start(start), keys, sampling,
                                row_sampling=row_sampling)
     put = lambda x, y: x.at[rows].set(y, mode="drop")  # noqa: E731
     B = state.last.shape[0]
@@ -186,7 +206,7 @@ def ar_refill(target_def, target_params, state: ARState, rows, tokens, start, ma
         state, cache=_pin(layout, state.cache.put_rows(rows, fresh)), last=put(state.last, tok),
         emitted=put(state.emitted, jnp.ones((R,), jnp.int32)),
         done=put(state.done, jnp.isin(tok, jnp.asarray(eos, jnp.int32)) | (max_new <= 1)),
-        key=key, max_new=put(jnp.broadcast_to(state.max_new, (B,)), max_new),
+        key=put(state.key, key), max_new=put(jnp.broadcast_to(state.max_new, (B,)), max_new),
         row_sampling=jax.tree.map(put, state.row_sampling, row_sampling))
     return state, tok
 
@@ -261,22 +281,6 @@ class SpecState:
     tree_nodes: jax.Array  # [B] valid non-root tree nodes verified, summed over rounds
     history: jax.Array  # [B, max_len] the prompt, the committed tokens and the bonus, at their positions
     row_sampling: RowSampling | None = None  # each row's settings under SamplingParams(per_row=True)
-
-
-def _sample_rows(logits, keys, sampling: SamplingParams, rows: RowSampling | None = None):
-    """logits [B, ..., V] -> tokens [B, ...], row b drawn with keys[b] (greedy needs no key) and, per_row, with
-    its own settings rows[b]."""
-    if sampling.greedy:
-        return sample(logits, None, sampling)
-    if sampling.per_row:
-        return sample_per_row(logits, keys, rows)
-    return jax.vmap(lambda x, k: sample(x, k, sampling))(logits, keys)
-
-
-def _split_rows(keys):
-    """keys [B] -> (next keys [B], subkeys [B])."""
-    pair = jax.vmap(jax.random.split)(keys)  # [B, 2]
-    return pair[:, 0], pair[:, 1]
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "drafter_def", "max_len", "out_len", "settings", "chunk"))

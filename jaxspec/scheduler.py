@@ -51,7 +51,7 @@ class Request:
     sampling: SamplingParams = SamplingParams()
     on_event: Callable[[Event], None] = lambda e: None  # called on the loop's thread
     stop: tuple[str, ...] = ()
-    seed: int | None = None  # speculative methods: the row's own rng stream (AR rows share the batch's)
+    seed: int | None = None  # the row's own rng stream: generate(seed=)'s for this prompt alone
     # the loop's bookkeeping
     tokens: list[int] = field(default_factory=list)
     sent: int = 0  # characters of text already sent
@@ -201,12 +201,9 @@ class Scheduler:
         by _build, where groups would need one per (group size, width)."""
         dec, run = self.dec, self.run
         for b, r in zip(slots, reqs):
-            if dec.method == "ar":
-                first = dec.refill(run, [b], [r.prompt], [r.max_tokens], sampling=[r.sampling])[0]
-            else:
-                seed = r.seed if r.seed is not None else time.time_ns() % (1 << 62)
-                key = jax.random.split(jax.random.key(seed), 1)  # generate(seed=)'s stream for one prompt
-                first = dec.refill(run, [b], [r.prompt], [r.max_tokens], key, sampling=[r.sampling])[0]
+            seed = r.seed if r.seed is not None else time.time_ns() % (1 << 62)
+            key = jax.random.split(jax.random.key(seed), 1)  # generate(seed=)'s stream for one prompt
+            first = dec.refill(run, [b], [r.prompt], [r.max_tokens], key, sampling=[r.sampling])[0]
             r.first_token_at = time.perf_counter()
             with self.wake:
                 self.rows[b] = r

@@ -56,17 +56,17 @@ class Collector:
 @pytest.mark.parametrize("method", ["ar", "ddtree", "ddtree-dp2xtp2"])
 def test_requests_arriving_while_others_run(target, method):
     """Two rows, six requests: two at first, the rest submitted once the first has streamed text, one of them
-    sampled. Every greedy request gets generate's tokens and text (EOS included where the target samples it).
-    DDTree rounds over one live row run alone at budget 0 (AR steps, as `auto` picks where no tree pays), over
-    both at the decoder's 4. Sharded (`serve --dp 2 --tp 2`: a row per data-parallel group, heads over two
-    devices), every round runs both rows."""
+    sampled with a seed (AR: generate(seed=)'s answer). Every greedy request gets generate's tokens and text (EOS
+    included where the target samples it). DDTree rounds over one live row run alone at budget 0 (AR steps, as
+    `auto` picks where no tree pays), over both at the decoder's 4. Sharded (`serve --dp 2 --tp 2`: a row per
+    data-parallel group, heads over two devices), every round runs both rows."""
     model = target
     if method.endswith("dp2xtp2"):
         model, method = target.on_mesh(jaxspec.make_mesh(tp=2, dp=2)), "ddtree"
     sched = scheduler(model, method, budgets={1: 0} if method == "ddtree" else None)
     try:
         reqs = [Request(p, m, on_event=Collector()) for p, m in zip(PROMPTS, LIMITS)]
-        reqs[3].sampling = SamplingParams(1.0, 20)
+        reqs[3].sampling, reqs[3].seed = SamplingParams(1.0, 20), 7
         for r in reqs[:2]:
             sched.submit(r)
         while not reqs[0].on_event.events:
@@ -79,7 +79,10 @@ def test_requests_arriving_while_others_run(target, method):
             end = r.on_event.events[-1]
             assert end.completion_tokens == len(r.tokens) <= LIMITS[i]
             assert end.finish_reason == ("stop" if r.tokens[-1] in target.eos_token_ids else "length"), i
-            if i == 3:
+            if i == 3:  # AR: the seed's own stream, as generate(seed=) draws it for this prompt alone
+                if method == "ar":
+                    assert r.tokens == jaxspec.generate(target, input_ids=PROMPTS[i], max_new_tokens=LIMITS[i],
+                                                        temperature=1.0, top_k=20, seed=7).token_ids
                 continue
             want = jaxspec.generate(target, input_ids=PROMPTS[i], max_new_tokens=LIMITS[i], method="ar").token_ids
             assert r.tokens == want, i
