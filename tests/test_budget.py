@@ -68,6 +68,16 @@ def test_read_acceptance_edges(tmp_path):
     assert read_acceptance(tmp_path) == {1: 1.0, 2: 3.0, 1024: 9.5}
 
 
+def picked(res) -> int:
+    """auto's choice as its statistics report it: a DDTree budget, or 0 where it decoded AR."""
+    st = res.stats
+    if st.method == "ar":
+        assert st.budget is None and st.budget_source.startswith("auto: AR"), dict(st)
+        return 0
+    assert st.budget_source == "auto" and st.budget is not None, dict(st)
+    return st.budget
+
+
 def test_auto_measures_once_and_stays_lossless(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(budget_mod, "COST_SAMPLES", 1)  # an entry settled by one run (the sampling: tests below)
@@ -80,10 +90,10 @@ def test_auto_measures_once_and_stays_lossless(tmp_path, monkeypatch):
 
     d.save(tmp_path / "d")
     (tmp_path / "d" / "acceptance.json").write_text(json.dumps({"acceptance_length": {"2": 2.9, "6": 6.5}}))
-    d = jaxspec.load_drafter(tmp_path / "d", m)  # acceptance lengths that trees on a tiny target repay
+    d = jaxspec.load_drafter(tmp_path / "d", m)
     assert d.acceptance == {2: 2.9, 6: 6.5}
     res = jaxspec.generate(m, input_ids=PROMPT, drafter=d, budget="auto", max_new_tokens=24)
-    assert res.stats["budget_source"] == "auto" and res.stats["budget"] in (2, 6)
+    assert picked(res) in (0, 2, 6)  # 0: this machine's timings predicted no gain (AR)
     assert "2" in res.stats["predicted_speedup"] and set(res.stats["predicted_speedup"]) <= {"2", "6"}
     assert res.token_ids == want
     (e,) = json.loads((tmp_path / "cache" / "costs.json").read_text()).values()
@@ -94,7 +104,7 @@ def test_auto_measures_once_and_stays_lossless(tmp_path, monkeypatch):
     monkeypatch.setattr(budget_mod, "measure_costs", lambda *a, **k: pytest.fail("costs were not read from the cache"))
     monkeypatch.setattr(budget_mod, "_measured", {}, raising=False)  # as a new process: from the file
     again = jaxspec.generate(m, input_ids=PROMPT, drafter=d, budget="auto", max_new_tokens=24)
-    assert again.stats["budget"] == res.stats["budget"]
+    assert picked(again) == picked(res)
 
     d.save(tmp_path / "d2")  # the table travels with the weights
     assert read_acceptance(tmp_path / "d2") == {2: 2.9, 6: 6.5}
@@ -103,7 +113,7 @@ def test_auto_measures_once_and_stays_lossless(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXSPEC_CACHE_DIR", str(tmp_path / "cache"))
     rows = [PROMPT, PROMPT[:6], PROMPT[4:]]  # 3 rows: timed at a batch of 4, and still lossless
     batch = jaxspec.generate(m, input_ids=rows, drafter=d, budget="auto", max_new_tokens=24)
-    assert batch.stats["budget_source"] == "auto" and batch.stats["budget"] in (2, 6)
+    assert picked(batch) in (0, 2, 6)
     assert batch.token_ids == [jaxspec.generate(m, input_ids=r, method="ar", max_new_tokens=24).token_ids
                                for r in rows]
     assert len(json.loads((tmp_path / "cache" / "costs.json").read_text())) == 2  # batch 1's entry and batch 4's
