@@ -20,18 +20,20 @@ fetched while block j is used); q k^T and p v are two wgmma's from shared memory
 input dtype) into f32 accumulators, with an online softmax in registers between them; partial edge blocks are
 masked. Slots of an edge block outside [lo, hi) are read and must be finite (a stale or zeroed cache slot is):
 a masked probability 0 times an infinite or NaN value would still be NaN. Not tuned: no warp specialisation,
-each wgmma is awaited at once. MLA's 512-wide values do not fit (a wgmma's N is at most 256, and a 64 x 512
-f32 accumulator would need 256 registers per thread).
+each wgmma is awaited at once. p v accumulates into the running output (a 64 x 256 f32 accumulator takes 128
+registers per thread; a second one beside it would pass the 255 a thread has). MLA's 512-wide values do not fit
+(a wgmma's N is at most 256, and a 64 x 512 f32 accumulator alone would take 256 registers per thread).
 
 `flash_decode_reference` is the same contract in plain jnp (float32 math over the whole buffer with a mask).
 
 How it was checked, on CPU only (tests/test_decode_attention.py): under JAX's Mosaic GPU interpreter
 (`GPU_INTERPRET`: simulated TMA copies, barriers, SMEM initialised to NaN, wgmma as a matmul) against the
-reference, and lowered with `jax.export(..., platforms=("cuda",))` to one Mosaic GPU custom call. Two things
+reference, and lowered with `jax.export(..., platforms=("cuda",))` to one Mosaic GPU custom call. Three things
 differ under the interpreter, because it has no rule for them: `plgpu.layout_cast` (a register layout hint
-for the GPU lowering only; skipped) and a transposed wgmma operand (`plgpu.transpose_ref` of the K block;
-the interpreter stages k^T into a second SMEM buffer with a register transpose instead). So the K^T operand
-of the real kernel is checked by the lowering only (shapes and transforms, not values). The interpreter also
+for the GPU lowering only; skipped), a transposed wgmma operand (`plgpu.transpose_ref` of the K block; the
+interpreter stages k^T into a second SMEM buffer with a register transpose instead) and `pl.run_state` (p v
+into the running accumulator; the interpreter adds a fresh one's result instead). So those forms of the real
+kernel are checked by the lowering only (shapes and transforms, not values). The interpreter also
 completes each TMA copy at once, so it would not notice a missing barrier wait. Never run on a real GPU here.
 """
 from __future__ import annotations
@@ -111,7 +113,6 @@ def _kernel(lohi_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_kv, num_spli
 
     def with_q(q_smem, q_bar):
         plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_smem, q_bar.at[0])
-        plgpu.barrier_wait(q_bar.at[0])
 
         def loop(k_smem, v_smem, p_smem, k_bar, v_bar, kt_smem=None):
             def fetch(j, slot):  # KV block j -> buffer slot
@@ -122,6 +123,8 @@ def _kernel(lohi_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_kv, num_spli
             @pl.when(first < last)
             def _():
                 fetch(first, 0)
+
+            plgpu.barrier_wait(q_bar.at[0])  # after the first K/V block's copy is issued: the two loads overlap
 
             def step(j, carry):
                 acc, m, l = carry  # [64, Dv] f32, [64] and [64] f32 (m in log2 units)
@@ -158,12 +161,21 @@ def _kernel(lohi_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_kv, num_spli
                 plgpu.commit_smem()  # generic-proxy writes must be visible to the wgmma
                 plgpu.barrier_wait(v_bar.at[slot])
 
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-                    return acc_ref[...]
-
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_Q, Dv), jnp.float32))
+                if interpreted:  # the interpreter has no rule for run_state: a fresh accumulator, then a sum
+
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                        return acc_ref[...]
+
+                    acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_Q, Dv), jnp.float32))
+                else:  # into the running accumulator: one 64 x Dv f32 array live, not two (Dv = 256: 128 registers
+                    # per thread instead of 256, past the 255 a thread has)
+
+                    def pv_into(acc_ref):
+                        plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+
+                    acc = pl.run_state(pv_into)(plgpu.ACC.init(acc))
                 return acc, m_new, l
 
             acc = cast(jnp.zeros((BLOCK_Q, Dv), jnp.float32), plgpu.Layout.WGMMA)
