@@ -16,11 +16,9 @@ answers therefore equal `generate`'s; sampled ones are draws from the same distr
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import replace
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 
 from jaxspec.decoder import Decoder, round_up
 from jaxspec.drafter import Drafter
@@ -102,7 +100,7 @@ def generate_many(model: Model, input_ids: list[list[int]], max_new_tokens: int 
         if not live:
             continue
         dec.make_room(run, live, chunk)
-        run.state = replace(run.state, steps=jnp.int32(0))  # a chunk counts its own steps
+        dec.start_chunk(run)
         before = to_host(run.state.emitted)
         run = dec.decode(run, chunk)
         out, emitted, done = to_host(run.state.out), to_host(run.state.emitted), to_host(run.state.done)

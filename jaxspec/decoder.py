@@ -153,6 +153,11 @@ class Decoder:
                              f"{self.method}, budget {self.budget})")
         return replace(self.settings, budget=budget)
 
+    @property
+    def dp(self) -> int:
+        """Data-parallel groups the rows are split over (1 on one device)."""
+        return 1 if self.model.layout is None else self.model.layout.mesh.shape["dp"]
+
     # ------------------------------------------------------------------------------ sizing
 
     def spec_max_len(self, length: int, max_new_tokens: int) -> int:
@@ -233,8 +238,8 @@ class Decoder:
         if self.method != "ar":
             d, settings = self.drafter, self.settings_for(budget)
             B = s.bonus.shape[0]
-            R = B if live is None else live_rows(len(live), B)
-            if R < B and (m.layout is None or m.layout.mesh.shape["dp"] == 1):
+            R = B if live is None else live_rows(len(live), B, self.dp)
+            if R < B:
                 rows = list(live) + [b for b in range(B) if b not in live][: R - len(live)]
                 run.state = engine.spec_decode_rows(m.jit_def, m.params, d.jit_def, d.params, s,
                                                     jnp.asarray(rows, jnp.int32), jnp.int32(stop), settings=settings)
@@ -305,6 +310,12 @@ class Decoder:
                                             row_sampling, sampling=self.sampling, eos=self.eos, layout=m.layout)
         return to_host(first)[:n].tolist()
 
+    def start_chunk(self, run: Run) -> None:
+        """AR continuous batching: the next chunk counts its own steps (`decode`'s stop is then per chunk). The zero
+        is computed from the counter, so it keeps the placement the decode loop was compiled for (a fresh scalar
+        differs on a mesh, a placed one on one device: either compiles the loop again)."""
+        run.state = replace(run.state, steps=run.state.steps * 0)
+
     def cancel(self, run: Run, rows: list[int]) -> None:
         """Mark `rows` done (a client went away, a stop string matched): they stop emitting and, for speculative
         methods, stop committing; their rows can be refilled."""
@@ -358,10 +369,13 @@ class Decoder:
         return [spec_stats(hist[b], int(rounds[b]), len(ids[b]), self.budget, int(nodes[b])) for b in range(len(ids))]
 
 
-def live_rows(n: int, batch: int) -> int:
-    """The rows a speculative round over n live rows of a batch runs: n rounded up to a power of two, or the
-    whole batch when that is no smaller (Decoder.decode)."""
-    return min(1 << math.ceil(math.log2(max(n, 1))), batch)
+def live_rows(n: int, batch: int, dp: int = 1) -> int:
+    """The rows a speculative round over n live rows of a batch runs (Decoder.decode): n rounded up to a power of
+    two that splits evenly over `dp` data-parallel groups, or the whole batch when that is no smaller."""
+    r = 1 << math.ceil(math.log2(max(n, 1)))
+    while r < batch and r % dp:
+        r *= 2
+    return min(r, batch)
 
 
 def check_rows(rows: list[list[int]], max_new_tokens: int | list[int]) -> None:

@@ -19,7 +19,7 @@ Generation runs in chunks of rounds (all of it unless streaming), read back betw
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import jax
@@ -48,7 +48,7 @@ class ARState:
     steps: jax.Array  # [] target forwards so far, the prefill included (= tokens per unfinished row)
     done: jax.Array  # [B] bool: EOS sampled or max_new reached
     key: jax.Array  # [B] one rng stream per row, so a row samples the same tokens whatever else runs
-    max_new: jax.Array  # [] or [B] int32: tokens each row may generate
+    max_new: jax.Array  # [B] int32: tokens each row may generate
     row_sampling: RowSampling | None = None  # each row's settings under SamplingParams(per_row=True)
 
 
@@ -66,6 +66,17 @@ def _on_kernels(step):
 def _pin(layout: Layout | None, cache: Cache) -> Cache:
     """Keep a cache sharded like the layers that write it (a no-op on one device)."""
     return cache if layout is None else layout.constrain(cache)
+
+
+def _pin_state(state, layout: Layout | None, draft_layout: Layout | None = None):
+    """Pin a whole decode state (ARState, SpecState) as every program that returns one leaves it: caches by
+    their layers' rules, every other field by rows over dp. Left to XLA, the small fields' shardings differ
+    between a prefill and the decode loop, so the loop would compile again on its second call."""
+    if layout is None:
+        return state
+    rest = {f.name: getattr(state, f.name) for f in fields(state) if f.name not in ("cache", "draft_cache")}
+    state = replace(state, cache=layout.constrain(state.cache), **layout.constrain_rows(rest))
+    return replace(state, draft_cache=_pin(draft_layout, state.draft_cache)) if hasattr(state, "draft_cache") else state
 
 
 def _sample_rows(logits, keys, sampling: SamplingParams, rows: RowSampling | None = None):
@@ -136,14 +147,15 @@ def ar_prefill(target_def, target_params, tokens, start, key, max_new, row_sampl
     target = nnx.merge(target_def.graphdef, target_params)
     B, P = tokens.shape
     keys = key if key.shape == (B,) else jax.random.split(key, B)
+    max_new = jnp.broadcast_to(jnp.asarray(max_new, jnp.int32), (B,))  # per row from the start: refills set rows
     cache, tok, key = _prefill(target, tokens, start, _pin(layout, target.init_cache(B, max_len).with_start(start)),
                                keys, sampling, chunk, row_sampling)
-    return ARState(
-        cache=_pin(layout, cache), last=tok, out=jnp.zeros((B, out_len), jnp.int32).at[:, 0].set(tok),
+    return _pin_state(ARState(
+        cache=cache, last=tok, out=jnp.zeros((B, out_len), jnp.int32).at[:, 0].set(tok),
         emitted=jnp.ones((B,), jnp.int32), steps=jnp.int32(1),
         done=jnp.isin(tok, jnp.asarray(eos, jnp.int32)) | (max_new <= 1), key=key, max_new=max_new,
         row_sampling=row_sampling,
-    )
+    ), layout)
 
 
 def _prefill(target, tokens, start, cache: Cache, key, sampling: SamplingParams, chunk: int = PREFILL_CHUNK,
@@ -180,7 +192,7 @@ def ar_decode(target_def, target_params, state: ARState, stop_at, *, sampling: S
         return replace(s, cache=_pin(layout, cache.advance(1)), last=tok, out=out, emitted=s.emitted + live,
                        steps=s.steps + 1, done=done, key=key)
 
-    return jax.lax.while_loop(cond, body, state)
+    return _pin_state(jax.lax.while_loop(cond, body, state), layout)
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "sampling", "eos", "layout"), donate_argnames=("state",))
@@ -193,29 +205,27 @@ def ar_refill(target_def, target_params, state: ARState, rows, tokens, start, ma
     tokens [R, P] left-padded (row r's first real slot start[r]) are prefilled into a fresh P-slot cache that
     put_rows places so each prompt ends at the batch's `length`; the rows then decode on with the others,
     `max_new` [R] tokens each (and row_sampling [R] settings when sampling.per_row), each new row with its own rng
-    stream (key: one key, split per row, or [R] keys). Returns the state (per-row max_new) and each new row's
-    first token [R]."""
+    stream (key: one key, split per row, or [R] keys). Returns the state and each new row's first token [R]."""
     target = nnx.merge(target_def.graphdef, target_params)
     R, P = tokens.shape
     keys = key if key.shape == (R,) else jax.random.split(key, R)
     fresh, tok, key = _prefill(target, tokens, start, target.init_cache(R, P).with_start(start), keys, sampling,
                                row_sampling=row_sampling)
     put = lambda x, y: x.at[rows].set(y, mode="drop")  # noqa: E731
-    B = state.last.shape[0]
     state = replace(
-        state, cache=_pin(layout, state.cache.put_rows(rows, fresh)), last=put(state.last, tok),
+        state, cache=state.cache.put_rows(rows, fresh), last=put(state.last, tok),
         emitted=put(state.emitted, jnp.ones((R,), jnp.int32)),
         done=put(state.done, jnp.isin(tok, jnp.asarray(eos, jnp.int32)) | (max_new <= 1)),
-        key=put(state.key, key), max_new=put(jnp.broadcast_to(state.max_new, (B,)), max_new),
+        key=put(state.key, key), max_new=put(state.max_new, max_new),
         row_sampling=jax.tree.map(put, state.row_sampling, row_sampling))
-    return state, tok
+    return _pin_state(state, layout), tok
 
 
 @functools.partial(jax.jit, static_argnames=("max_len", "layout"))
 def ar_reslot(state: ARState, shift, *, max_len: int, layout: Layout | None = None) -> ARState:
     """The same state with its cache moved `shift` slots left into `max_len` slots (Cache.reslot): the next
     window of a batched decode (shift 0), or continuous batching's slide of the live rows to the front."""
-    return replace(state, cache=_pin(layout, state.cache.reslot(shift, max_len)))
+    return _pin_state(replace(state, cache=state.cache.reslot(shift, max_len)), layout)
 
 
 # ------------------------------------------------------------------------------------ speculative
@@ -308,8 +318,7 @@ def spec_refill(target_def, target_params, drafter_def, drafter_params, state: S
     fresh = _spec_start(target, drafter, tokens, length, key, max_new, state.cache.max_len, state.out.shape[1],
                         settings, row_sampling=row_sampling)
     state = jax.tree.map(lambda x, y: x.at[rows].set(y, mode="drop"), state, fresh)
-    return replace(state, cache=_pin(settings.layout, state.cache),
-                   draft_cache=_pin(settings.draft_layout, state.draft_cache))
+    return _pin_state(state, settings.layout, settings.draft_layout)
 
 
 def _spec_start(target, drafter, tokens, length, key, max_new, max_len: int, out_len: int,
@@ -329,13 +338,13 @@ def _spec_start(target, drafter, tokens, length, key, max_new, max_len: int, out
     rows = jnp.arange(B)
     history = jnp.zeros((B, max_len), jnp.int32).at[:, :P].set(tokens).at[rows, length].set(bonus)
     max_new = jnp.broadcast_to(jnp.asarray(max_new, jnp.int32), (B,))
-    return SpecState(
-        cache=_pin(settings.layout, cache), draft_cache=_pin(settings.draft_layout, draft_cache), bonus=bonus,
+    return _pin_state(SpecState(
+        cache=cache, draft_cache=draft_cache, bonus=bonus,
         out=jnp.zeros((B, out_len), jnp.int32).at[:, 0].set(bonus), emitted=jnp.ones((B,), jnp.int32),
         done=jnp.isin(bonus, jnp.asarray(settings.eos, jnp.int32)) | (max_new <= 1), key=keys, max_new=max_new,
         rounds=jnp.zeros((B,), jnp.int32), accepted_hist=jnp.zeros((B, settings.round_tokens), jnp.int32),
         tree_nodes=jnp.zeros((B,), jnp.int32), history=history, row_sampling=row_sampling,
-    )
+    ), settings.layout, settings.draft_layout)
 
 
 def _row_tree(draft, history, pos, settings: SpecSettings, ids) -> Tree:
@@ -416,10 +425,10 @@ def spec_decode_rows(target_def, target_params, drafter_def, drafter_params, sta
     target, drafter = nnx.merge(target_def.graphdef, target_params), nnx.merge(drafter_def.graphdef, drafter_params)
     sub = _spec_loop(target, drafter, jax.tree.map(lambda x: x[rows], state), stop_at, settings)
     state = jax.tree.map(lambda x, y: x.at[rows].set(y), state, sub)
-    return replace(state, cache=_pin(settings.layout, state.cache),
-                   draft_cache=_pin(settings.draft_layout, state.draft_cache))
+    return _pin_state(state, settings.layout, settings.draft_layout)
 
 
 def _spec_loop(target, drafter, state: SpecState, stop_at, settings: SpecSettings) -> SpecState:
-    return jax.lax.while_loop(lambda s: jnp.any(~s.done & (s.emitted < stop_at)),
-                              lambda s: spec_round(target, drafter, s, settings), state)
+    state = jax.lax.while_loop(lambda s: jnp.any(~s.done & (s.emitted < stop_at)),
+                               lambda s: spec_round(target, drafter, s, settings), state)
+    return _pin_state(state, settings.layout, settings.draft_layout)

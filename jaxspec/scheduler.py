@@ -17,11 +17,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 
 from jaxspec.decoder import Decoder, Run, live_rows, prompt_width, round_up
 from jaxspec.sampling import SamplingParams
@@ -169,7 +168,7 @@ class Scheduler:
             dec.refill(run, [0], [[0] * min(width, self.ctx - 1)], [1], jax.random.key(0)[None], sampling=greedy[:1])
         self.run = dec.decode(run, 1, budget=self.budgets.get(B))  # compiles the loop without a step (all done)
         if dec.method != "ar":  # and the loops over fewer live rows (Decoder.decode)
-            for n in sorted({live_rows(n, B) for n in range(1, B)} - {B}):
+            for n in sorted({live_rows(n, B, dec.dp) for n in range(1, B)} - {B}):
                 dec.decode(self.run, 1, live=list(range(n)), budget=self.budgets.get(n))
         jax.block_until_ready(self.run.state)
 
@@ -214,13 +213,13 @@ class Scheduler:
         live = [b for b, r in enumerate(self.rows) if r is not None]
         if dec.method == "ar":
             dec.make_room(run, live, self.chunk)
-            run.state = replace(run.state, steps=jnp.int32(0))  # a chunk counts its own steps
+            dec.start_chunk(run)
             before = to_host(run.state.emitted)
             dec.decode(run, self.chunk)
             out, emitted, done = (to_host(x) for x in (run.state.out, run.state.emitted, run.state.done))
             new = {b: out[b, : emitted[b] - before[b]].tolist() for b in live}
         else:
-            budget = self.budgets.get(live_rows(len(live), self.B))
+            budget = self.budgets.get(live_rows(len(live), self.B, dec.dp))
             dec.decode(run, dec.count(run) + self.chunk, live=live, budget=budget)
             out, emitted, done = (to_host(x) for x in (run.state.out, run.state.emitted, run.state.done))
             new = {b: out[b, len(self.rows[b].tokens): emitted[b]].tolist() for b in live}

@@ -425,7 +425,8 @@ def build(args) -> tuple[Scheduler, str]:
     if method != "ar":
         check_fits(drafter.config, model)
         if b == "auto":  # one budget per number of live rows a round can run (the scheduler's `budgets`)
-            sizes = sorted({live_rows(n, args.max_batch) for n in range(1, args.max_batch + 1)})
+            dp = 1 if model.layout is None else model.layout.mesh.shape["dp"]
+            sizes = sorted({live_rows(n, args.max_batch, dp) for n in range(1, args.max_batch + 1)})
             chosen = {n: budget.choose(model, drafter, args.lookup, batch=n) for n in sizes}
             budgets = {n: c[0] for n, c in chosen.items()}
             b = max(budgets.values())

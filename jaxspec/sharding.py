@@ -28,7 +28,9 @@ splitting it by position would need a cross-device softmax. The cost is tp copie
 (DeepSeek-V3, bf16, 61 layers), still 71x less than one copy of expanded K/V.
 
 Inside jit the engine pins every cache buffer to its sharding (`Layout.constrain`), so the loop carries
-caches sharded like the layers that write them; XLA's partitioner (GSPMD) inserts the collectives.
+caches sharded like the layers that write them; XLA's partitioner (GSPMD) inserts the collectives. The rest of a
+decode state (outputs, counters, rng keys) is pinned by rows over dp (`Layout.constrain_rows`) in every program
+that returns one, so a prefill hands the decode loop the shardings it was compiled for.
 """
 from __future__ import annotations
 
@@ -141,6 +143,16 @@ class Layout:
         """Pin a cache's buffers to their shardings inside jit."""
         return jax.lax.with_sharding_constraint(cache, self.cache_shardings(cache))
 
+    def row_sharding(self, x) -> NamedSharding:
+        """A per-row array [B, ...] split by rows over dp (where B divides); a scalar replicated."""
+        dp = self.view.shape["dp"]
+        return NamedSharding(self.view, PartitionSpec("dp") if np.ndim(x) and np.shape(x)[0] % dp == 0 else
+                             PartitionSpec())
+
+    def constrain_rows(self, tree):
+        """Pin a pytree of per-row arrays (a decode state's outputs, counters, keys) by rows inside jit."""
+        return jax.lax.with_sharding_constraint(tree, jax.tree.map(self.row_sharding, tree))
+
 
 def _split_tp(mesh, dp: int, kv: int, rep: int):
     """`mesh` (dp, tp) as (dp, tp_kv, tp_rep): the same devices in the same order (a Mesh or an AbstractMesh)."""
@@ -149,6 +161,16 @@ def _split_tp(mesh, dp: int, kv: int, rep: int):
     if isinstance(mesh, AbstractMesh):
         return AbstractMesh(shape, names, axis_types=types)
     return Mesh(mesh.devices.reshape(shape), names, axis_types=types)
+
+
+def on_one_device(*arrays) -> bool:
+    """Whether none of `arrays` (traced, inside jit) is split over a mesh of several devices: a custom call may
+    take them (the partitioner cannot split a custom call; it would gather whole operands onto every device)."""
+    for x in arrays:
+        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        if mesh is not None and not mesh.empty and mesh.size > 1:
+            return False
+    return True
 
 
 def place(x, sharding: NamedSharding) -> jax.Array:

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 import jaxspec
+from compiles import compiles, engine_compiles
 from jaxspec.decoder import Decoder
 from jaxspec.sampling import SamplingParams
 from jaxspec.scheduler import Event, QueueFull, Request, Scheduler
@@ -53,28 +54,31 @@ class Collector:
         return "".join(e.text for e in self.events)
 
 
-@pytest.mark.parametrize("method", ["ar", "ddtree", "ddtree-dp2xtp2"])
+@pytest.mark.parametrize("method", ["ar", "ddtree", "ar-dp2xtp2", "ddtree-dp2xtp2"])
 def test_requests_arriving_while_others_run(target, method):
     """Two rows, six requests: two at first, the rest submitted once the first has streamed text, one of them
     sampled with a seed (AR: generate(seed=)'s answer). Every greedy request gets generate's tokens and text (EOS
     included where the target samples it). DDTree rounds over one live row run alone at budget 0 (AR steps, as
     `auto` picks where no tree pays), over both at the decoder's 4. Sharded (`serve --dp 2 --tp 2`: a row per
-    data-parallel group, heads over two devices), every round runs both rows."""
+    data-parallel group, heads over two devices), every round runs both rows. Every program the loop runs was
+    compiled before it took its first request."""
     model = target
     if method.endswith("dp2xtp2"):
-        model, method = target.on_mesh(jaxspec.make_mesh(tp=2, dp=2)), "ddtree"
+        model, method = target.on_mesh(jaxspec.make_mesh(tp=2, dp=2)), method.split("-")[0]
     sched = scheduler(model, method, budgets={1: 0} if method == "ddtree" else None)
     try:
         reqs = [Request(p, m, on_event=Collector()) for p, m in zip(PROMPTS, LIMITS)]
         reqs[3].sampling, reqs[3].seed = SamplingParams(1.0, 20), 7
-        for r in reqs[:2]:
-            sched.submit(r)
-        while not reqs[0].on_event.events:
-            reqs[0].on_event.done.wait(0.01)
-        for r in reqs[2:]:
-            sched.submit(r)
-        for r in reqs:
-            assert r.on_event.done.wait(600)
+        with compiles() as compiled:
+            for r in reqs[:2]:
+                sched.submit(r)
+            while not reqs[0].on_event.events:
+                reqs[0].on_event.done.wait(0.01)
+            for r in reqs[2:]:
+                sched.submit(r)
+            for r in reqs:
+                assert r.on_event.done.wait(600)
+        assert not engine_compiles(compiled), compiled
         for i, r in enumerate(reqs):
             end = r.on_event.events[-1]
             assert end.completion_tokens == len(r.tokens) <= LIMITS[i]

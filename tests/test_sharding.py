@@ -16,8 +16,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxspec
+from compiles import compiles, engine_compiles
 from jaxspec import engine
 from jaxspec.config import dense_config_from_dict
+from jaxspec.decoder import Decoder, live_rows
 from jaxspec.models.deepseek import deepseek_config_from_dict
 from jaxspec.models.gemma4 import gemma4_config_from_dict
 from jaxspec.models.qwen3_next import hybrid_config_from_dict
@@ -36,8 +38,9 @@ TARGETS = {
         BASE, model_type="deepseek_v3", moe_intermediate_size=32, first_k_dense_replace=1, q_lora_rank=32,
         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=8,
         num_experts_per_tok=2, n_group=4, topk_group=2)),
+    # a GDN layer, then a full-attention one; both MoE with a shared expert
     "qwen3_next": lambda: hybrid_config_from_dict(dict(
-        BASE, model_type="qwen3_next", num_hidden_layers=3, full_attention_interval=3, linear_num_key_heads=4,
+        BASE, model_type="qwen3_next", num_hidden_layers=2, full_attention_interval=2, linear_num_key_heads=4,
         linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=8,
         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
         rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})),
@@ -104,6 +107,50 @@ def test_params_and_caches_are_sharded(name):
     specs = {tuple(leaf.sharding.spec) for leaf in jax.tree.leaves(state.cache.layers)}
     assert any("tp" in s for s in specs) or name == "deepseek_v3"  # MLA latents: by batch, replicated over tp
     assert all(s[0] == "dp" for s in specs)  # every buffer is split by batch
+
+
+def test_decode_loops_compile_once_on_dp():
+    """A prefill's state is sharded as the decode loop returns it, so the loop compiles once for a whole run, not
+    again on its second call (the small per-row fields were left to XLA, which split them by rows in the loop
+    and not in the prefill). Refills and the chunks after them reuse the same program too."""
+    m = target("qwen3_next").on_mesh(jaxspec.make_mesh(tp=2, dp=2))
+    rows = [PROMPT, PROMPT[3:]]
+    d = oracle_drafter(m, [p + [1] * 64 for p in rows], noise=0.3, block_size=5)
+    with compiles() as compiled:
+        for dec in (Decoder(m), Decoder(m, d, method="ddtree", budget=8)):
+            run = dec.prefill(rows, 40)
+            for stop in (6, 12, 18):
+                dec.decode(run, stop)
+            dec.refill(run, [1], [PROMPT[5:]], [8])
+            dec.decode(run, 24)
+    loops = {k: v for k, v in engine_compiles(compiled).items() if k.endswith("decode)")}
+    assert loops == {"jit(ar_decode)": 1, "jit(spec_decode)": 1}, loops
+
+
+def test_live_rows_alone_on_dp():
+    """On dp = 2, rounds over 2 live rows of 4 run those rows alone (one per data-parallel group), and each
+    gets the tokens, rounds and acceptance of the one-device decode of all 4; the idle rows are left as they
+    were. One live row still runs 2 (a data-parallel group holds no fewer than one)."""
+    rows = [PROMPT, PROMPT[:5], PROMPT[2:], PROMPT[:7]]
+    names = ("out", "emitted", "rounds", "accepted_hist", "bonus")
+
+    def decode(m, live):
+        d = jaxspec.init_drafter(m, num_layers=1, block_size=4, seed=1)
+        dec = Decoder(m, d, method="ddtree", budget=4)
+        run = dec.prefill(rows, 16)
+        dec.cancel(run, [1, 3])
+        before = {k: np.asarray(getattr(run.state, k)) for k in names}
+        with compiles() as compiled:
+            dec.decode(run, 100, live=live)
+        return before, {k: np.asarray(getattr(run.state, k)) for k in names}, compiled
+
+    assert live_rows(1, 4, 2) == live_rows(2, 4, 2) == 2 and live_rows(3, 4, 2) == 4 and live_rows(1, 8, 3) == 8
+    _, full, _ = decode(target("qwen3_next"), None)
+    before, part, compiled = decode(target("qwen3_next").on_mesh(jaxspec.make_mesh(tp=2, dp=2)), [0, 2])
+    assert compiled["jit(spec_decode_rows)"] == 1 and not compiled["jit(spec_decode)"], compiled
+    for b in range(4):
+        for k in names:
+            np.testing.assert_array_equal(part[k][b], (full if b in (0, 2) else before)[k][b], err_msg=f"{b} {k}")
 
 
 def test_layout_rules():

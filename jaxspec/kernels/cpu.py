@@ -40,6 +40,7 @@ import numpy as np
 from flax import nnx
 
 from jaxspec.kernels import xla as xla_forms
+from jaxspec.sharding import on_one_device
 from jaxspec.usercache import cache_dir
 
 SOURCE = Path(__file__).with_name("cpu_matmul.cc")
@@ -158,13 +159,7 @@ def usable(*weights, tiles: bool = False) -> bool:
     """Whether a product with these weights may run a kernel here: a CPU backend, the kernel built (for weights
     in column tiles, `tiles`: also without AVX-512), and no weight split over a mesh of several devices (the
     partitioner cannot split a custom call: it would gather the whole weight onto every device)."""
-    if jax.default_backend() != "cpu":
-        return False
-    for w in weights:
-        mesh = getattr(getattr(jax.typeof(w), "sharding", None), "mesh", None)
-        if mesh is not None and not mesh.empty and mesh.size > 1:
-            return False
-    return level() >= (1 if tiles else 2)
+    return jax.default_backend() == "cpu" and on_one_device(*weights) and level() >= (1 if tiles else 2)
 
 
 def on_cpu(kernel, xla, *args):

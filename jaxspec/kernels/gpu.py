@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxspec.kernels.xla import NEG_INF
+from jaxspec.sharding import on_one_device
 from pallas_kernels.decode_attention import flash_decode
 from pallas_kernels.kv_commit import GPU_INTERPRET
 
@@ -109,12 +110,8 @@ def flash_fits(q, k, v) -> bool:
     up to 256, a buffer of whole 64-slot blocks, on one device (a custom call cannot be split by the partitioner,
     which would gather the whole cache onto every device)."""
     D, T = k.shape[-1], k.shape[2]
-    for x in (q, k, v):
-        mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-        if mesh is not None and not mesh.empty and mesh.size > 1:
-            return False
-    return (q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == v.dtype == q.dtype and D % 64 == 0 and D <= 256
-            and T % 64 == 0)
+    return (on_one_device(q, k, v) and q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == v.dtype == q.dtype
+            and D % 64 == 0 and D <= 256 and T % 64 == 0)
 
 
 def _flash_prefix(qg, k, v, lo, hi, scale, softcap, interpret):
