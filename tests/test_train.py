@@ -17,6 +17,8 @@ from jaxspec.train.data import Dataset, compute_taps, frequent_tokens
 from jaxspec.train.trainer import TrainConfig, block_loss, train
 from test_engine import PROMPT, tiny_target
 
+pytestmark = pytest.mark.optimized  # real models and training: running outweighs compiling
+
 
 def tiny_data(model, n=12, S=48):
     """Greedy continuations of random prompts: the self-distillation recipe in miniature."""

@@ -17,6 +17,8 @@ import jaxspec.model as jm
 from jaxspec.checkpoint import WeightsError
 from jaxspec.config import ConfigError
 
+pytestmark = pytest.mark.optimized  # real models and training: running outweighs compiling
+
 
 def greedy_continuation(model, ids, n):
     """n greedy tokens after `ids` from the on-device AR loop (EOS ignored: the comparison is token by token)."""
