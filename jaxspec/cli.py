@@ -13,11 +13,14 @@ import math
 import sys
 from pathlib import Path
 
+import jax
+
 from jaxspec import api
 from jaxspec.checkpoint import WeightsError
 from jaxspec.config import ConfigError
 from jaxspec.drafter import load_drafter
 from jaxspec.model import DTYPES, load
+from jaxspec.plan import out_of_memory
 from jaxspec.sampling import SamplingParams
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -195,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
         run(parser().parse_args(argv))
     except (UsageError, ValueError, FileNotFoundError, ConfigError, WeightsError, OSError) as e:
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        return 2
+    except jax.errors.JaxRuntimeError as e:
+        if (line := out_of_memory(e)) is None:
+            raise  # a bug or a device failure: its trace is what to report
+        print("error: " + line, file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(file=sys.stderr)

@@ -212,6 +212,17 @@ def table(plans: list[Plan]) -> str:
     return "\n".join(rows)
 
 
+def out_of_memory(e: BaseException) -> str | None:
+    """One line for a device allocation that failed (XLA's RESOURCE_EXHAUSTED), naming what to change; None for
+    any other error. The CLI and the server print it instead of XLA's trace."""
+    text = str(e).strip()
+    if "RESOURCE_EXHAUSTED" not in text:
+        return None
+    return (f"out of device memory ({text.splitlines()[0]}); `python -m jaxspec.plan MODEL --tp N --max-len L "
+            "--batch B` shows what fits each device: shard over more devices (--tp), pack the weights (--quantize "
+            "int8 or int4), or give less context or fewer rows (--max-new-tokens, --max-model-len, --max-batch)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jaxspec.plan", description=__doc__.splitlines()[0])
     ap.add_argument("model", metavar="MODEL_OR_CONFIG", nargs="+", help="model directory, config.json or .gguf")

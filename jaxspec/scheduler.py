@@ -23,6 +23,7 @@ from typing import Callable
 import jax
 
 from jaxspec.decoder import Decoder, Run, live_rows, prompt_width, round_up
+from jaxspec.plan import out_of_memory
 from jaxspec.sampling import SamplingParams
 from jaxspec.sharding import to_host
 
@@ -80,6 +81,7 @@ class Scheduler:
             decoder.settings_for(b)  # each must fit the decoder's state
         self.tokenizer = decoder.model.tokenizer
         self.on_finish = on_finish or (lambda r, n: None)
+        self.on_failure: Callable[[], None] = lambda: None  # called once the loop has died (`failed` says why)
         self.waiting: deque[Request] = deque()
         self.rows: list[Request | None] = [None] * max_batch
         self.wake = threading.Condition()
@@ -142,8 +144,9 @@ class Scheduler:
                 pass
             reason = "cancelled"
         except Exception as e:  # a bug or a device failure: every request hears of it, then the server is unhealthy
-            reason, self.failed = "error", f"{type(e).__name__}: {e}"
+            reason, self.failed = "error", out_of_memory(e) or f"{type(e).__name__}: {e}"
             self.ready.set()
+            self.on_failure()
         with self.wake:
             self.stopping = True
             pending = [r for r in self.rows if r is not None] + list(self.waiting)
@@ -164,6 +167,9 @@ class Scheduler:
         else:
             run = dec.prefill([[0]] * B, 1, max_len=dec.spec_max_len(self.ctx, 0),
                               out_len=round_up(self.ctx, 64) + dec.settings.round_tokens, sampling=greedy)
+        # the buffers are allocated now: wait, so that a failed allocation (out of device memory) is raised here (a
+        # program that takes a failed one's outputs can wait for ever instead)
+        jax.block_until_ready(run.state)
         for width in sorted({prompt_width(n) for n in range(1, self.ctx)}):
             dec.refill(run, [0], [[0] * min(width, self.ctx - 1)], [1], jax.random.key(0)[None], sampling=greedy[:1])
         self.run = dec.decode(run, 1, budget=self.budgets.get(B))  # compiles the loop without a step (all done)

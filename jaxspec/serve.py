@@ -465,11 +465,18 @@ def main(argv: list[str] | None = None) -> int:
     # uvicorn shuts down gracefully on SIGTERM, then re-raises it under the handler it found: make that one a
     # no-op, so a requested shutdown exits 0
     signal.signal(signal.SIGTERM, lambda *_: None)
+    server = uvicorn.Server(config)
+    # an engine that dies (out of memory at start-up, a device failure) takes the server down: requests have heard
+    # of it already, and a supervisor sees the exit, not a process that answers 503 for ever
+    sched.on_failure = lambda: setattr(server, "should_exit", True)
     try:
-        uvicorn.Server(config).run()
+        server.run()
     except KeyboardInterrupt:
         pass
-    return 1 if sched.failed else 0
+    if sched.failed:
+        print("error: the engine stopped: " + " ".join(sched.failed.split()), file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

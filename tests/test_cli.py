@@ -191,6 +191,28 @@ def test_bad_models(capsys, tmp_path, bare_dir, model_dir, drafter_dirs):
     assert_usage_error(*run(model_dir, "--drafter", drafter_dirs[1]), match="hidden_size")
 
 
+def test_out_of_device_memory_is_one_line(capsys, monkeypatch, model_dir):
+    """An allocation the device refuses (XLA's RESOURCE_EXHAUSTED; here a real one of 128 TiB) ends in one line
+    naming the fix and exit 2, not XLA's trace; other runtime errors keep theirs (tests/test_serve.py runs a
+    real out-of-memory start-up)."""
+    import jax
+    import jax.numpy as jnp
+
+    def huge(*a, **k):
+        return jnp.zeros((1 << 45,), jnp.float32).block_until_ready()
+
+    def internal(*a, **k):
+        raise jax.errors.JaxRuntimeError("INTERNAL: a device failure")
+
+    monkeypatch.setattr("jaxspec.cli.api.generate", huge)
+    rc, out, err = cli(capsys, "--model", model_dir, "--prompt", PROMPT)
+    assert_usage_error(rc, out, err, match="error: out of device memory (RESOURCE_EXHAUSTED: Out of memory")
+    assert "python -m jaxspec.plan" in err and "--quantize" in err, err
+    monkeypatch.setattr("jaxspec.cli.api.generate", internal)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        main(["--model", str(model_dir), "--prompt", PROMPT])
+
+
 def test_command_keeps_its_compiled_loops(model_dir, tmp_path):
     """`python -m jaxspec.generate` stores its compiled programs in the cache directory (JAX's persistent
     compilation cache); a second run loads its decode loop from there (JAX's debug log says so) and prints

@@ -265,6 +265,30 @@ def test_bad_flags_exit_2(capsys):
         assert len(err) == 1 and err[0].startswith("error: "), (argv, err)
 
 
+def test_out_of_device_memory_exits_with_one_line(tmp_path):
+    """An engine whose buffers do not fit the device (a 2^22-token context of 8192-wide heads: 128 GiB for one K
+    buffer of the speculative cache, allocated whole at start-up, in a process limited to 40 GiB of address
+    space, so the allocation fails whatever this machine's memory) takes the server down: exit 1 and one line
+    naming the fix, not a process answering 503 for ever."""
+    from test_cli import char_tokenizer, save_tiny
+
+    path = save_tiny(tmp_path / "target", num_attention_heads=1, num_key_value_heads=1, head_dim=8192,
+                     max_position_embeddings=1 << 23)
+    char_tokenizer().save_pretrained(path)
+    jaxspec.init_drafter(jaxspec.load(path), num_layers=1, block_size=4).save(tmp_path / "drafter")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["bash", "-c", f'ulimit -v {40 << 20} && exec "$@"', "-", sys.executable, "-m", "jaxspec.serve",
+            "--model", str(path), "--drafter", str(tmp_path / "drafter"), "--budget", "4", "--max-batch", "1",
+            "--max-model-len", str(1 << 22), "--port", str(port)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env={**os.environ, "XLA_FLAGS": ""})
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert last.startswith("error: the engine stopped: out of device memory (RESOURCE_EXHAUSTED") and \
+        "python -m jaxspec.plan" in last, proc.stderr[-3000:]
+
+
 def test_event_stream_format(server):
     """Raw SSE: `data: {json}` events, a chunk with a finish_reason, then `data: [DONE]`."""
     with socket.create_connection(("127.0.0.1", int(server[0].rsplit(":", 1)[1])), timeout=5) as s:
