@@ -51,6 +51,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import hopper_or_no_gpu
+
 try:  # JAX's Mosaic GPU interpreter (private in 0.10; the tests skip without it)
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     GPU_INTERPRET = InterpretGPUParams(uninitialized_memory="nan")
@@ -126,6 +128,12 @@ def kv_commit_pallas(cache, path, start, n, *, interpret=False):
     )(path.reshape(-1), sn, cache)
 
 
+def gpu_fits(cache) -> bool:
+    """Whether the Mosaic GPU kernel copies this cache's rows: a multiple of 128 bytes (a warpgroup's copy
+    granule; head_dim 64 and up in bf16 is)."""
+    return cache.shape[-1] * cache.dtype.itemsize % 128 == 0
+
+
 def _tma_chunk(width: int, itemsize: int) -> int:
     """The TMA box's last dimension for a row of `width` values: the largest divisor <= 256."""
     if width * itemsize % 128:
@@ -182,7 +190,9 @@ def effective_impl(impl: str) -> str:
     if impl == "xla":
         return "xla"
     if backend == "gpu":
-        return "pallas (Mosaic GPU)"
+        if not hopper_or_no_gpu():
+            return "xla (the Mosaic GPU commit needs a Hopper GPU)"
+        return "pallas (Mosaic GPU; xla for cache rows not a multiple of 128 bytes)"
     return "pallas (interpret)" if backend == "cpu" else "pallas"
 
 
@@ -190,12 +200,13 @@ def kv_commit(cache, path, start, n, *, impl="xla", interpret=None):
     """Engine entry point. cache: [B, H, T, D]; impl: "xla" | "pallas".
 
     With impl="pallas", interpret=None interprets the TPU kernel on CPU, compiles it on TPU, and runs the
-    Mosaic GPU kernel on GPU (see the module docstring; `effective_impl` says which runs).
+    Mosaic GPU kernel on a Hopper GPU where it copies the rows (see the module docstring; `effective_impl` says
+    which runs).
     """
     what = effective_impl(impl)
-    if what == "xla":
+    if what.startswith("xla") or (what.startswith("pallas (Mosaic GPU") and not gpu_fits(cache)):
         return kv_commit_reference(cache, path, start, n)
-    if what == "pallas (Mosaic GPU)":
+    if what.startswith("pallas (Mosaic GPU"):
         return kv_commit_mosaic_gpu(cache, path, start, n)
     if interpret is None:
         interpret = what == "pallas (interpret)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -144,6 +145,17 @@ def test_flash_decoding_kernel_in_cache_attention(interpreted_kernel, N, lengths
     want = xla.cache_attention(*(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in args[:5]),
                                *args[5:])
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2, rtol=0)
+
+
+def test_flash_decoding_kernel_only_on_hopper(monkeypatch):
+    """The kernel is written for Hopper (TMA, wgmma): a process with another GPU reads the prefix with the blocked
+    loop (an A100 or a B200 would fail to compile the kernel); a host without a GPU keeps it, to lower for CUDA."""
+    q, k = jnp.zeros((1, 1, 8, 128), jnp.bfloat16), jnp.zeros((1, 1, 256, 128), jnp.bfloat16)
+    assert gpu.flash_fits(q, k, k)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    for capability, fits in (("9.0", True), ("8.0", False), ("10.0", False), ("gfx90a", False)):
+        monkeypatch.setattr(jax, "devices", lambda c=capability: [SimpleNamespace(compute_capability=c)])
+        assert gpu.flash_fits(q, k, k) == fits, capability
 
 
 def test_engine_exact_through_the_flash_decoding_kernel(interpreted_kernel):

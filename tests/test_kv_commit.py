@@ -5,6 +5,7 @@ Every jitted function takes start/n as traced scalars, so one compile per shape 
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.kv_commit import (
     GPU_INTERPRET,
     effective_impl,
+    gpu_fits,
     kv_commit,
     kv_commit_mosaic_gpu,
     kv_commit_pallas,
@@ -156,8 +158,14 @@ def test_mosaic_gpu_kernel_refuses_rows_it_cannot_copy():
 
 
 def test_effective_impl_reports_the_gpu_kernel(monkeypatch):
+    """On a Hopper GPU the kernel runs where it copies the rows; on any other GPU the commit is XLA's, and says
+    so (an A100 or a B200 would otherwise fail to compile the kernel)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert effective_impl("pallas") == "pallas (Mosaic GPU)" and effective_impl("xla") == "xla"
+    for capability, want in (("9.0", "pallas (Mosaic GPU"), ("8.0", "xla (the Mosaic GPU commit needs a Hopper"),
+                             ("10.0", "xla (the Mosaic GPU commit needs a Hopper")):
+        monkeypatch.setattr(jax, "devices", lambda c=capability: [SimpleNamespace(compute_capability=c)])
+        assert effective_impl("pallas").startswith(want) and effective_impl("xla") == "xla", capability
+    assert gpu_fits(jnp.zeros((1, 1, 8, 64), jnp.bfloat16)) and not gpu_fits(jnp.zeros((1, 1, 8, 32), jnp.bfloat16))
 
 
 def per_row_case(rng, B, shape, P, dtype):

@@ -24,6 +24,7 @@ from jax import lax
 
 from jaxspec.kernels.xla import NEG_INF
 from jaxspec.sharding import on_one_device
+from pallas_kernels import hopper_or_no_gpu
 from pallas_kernels.decode_attention import flash_decode
 from pallas_kernels.kv_commit import GPU_INTERPRET
 
@@ -108,10 +109,10 @@ def _blocks(carry, n_blocks, bs, qg, k, v, mask, G, scale, softcap, valid=None):
 def flash_fits(q, k, v) -> bool:
     """Whether the Mosaic GPU kernel takes this committed prefix: bf16 / f16 throughout, head dims multiples of 64
     up to 256, a buffer of whole 64-slot blocks, on one device (a custom call cannot be split by the partitioner,
-    which would gather the whole cache onto every device)."""
+    which would gather the whole cache onto every device), and a Hopper GPU if this process has a GPU."""
     D, T = k.shape[-1], k.shape[2]
-    return (on_one_device(q, k, v) and q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == v.dtype == q.dtype
-            and D % 64 == 0 and D <= 256 and T % 64 == 0)
+    return (hopper_or_no_gpu() and on_one_device(q, k, v) and q.dtype in (jnp.bfloat16, jnp.float16)
+            and k.dtype == v.dtype == q.dtype and D % 64 == 0 and D <= 256 and T % 64 == 0)
 
 
 def _flash_prefix(qg, k, v, lo, hi, scale, softcap, interpret):
