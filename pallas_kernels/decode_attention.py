@@ -47,6 +47,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import MOSAIC_GPU_PARAMS
+
 EMPTY_LSE = -1e30  # lse of a row with no visible slot: finite, so a log-sum-exp merge gives the other block
 BLOCK_Q = 64  # query rows per CTA: one warpgroup's wgmma M
 _LOG2E = math.log2(math.e)
@@ -249,6 +251,7 @@ def flash_decode(q, k, v, lo, hi, *, scale, softcap=None, block_kv=64, num_split
                   jax.ShapeDtypeStruct((num_splits, B, K, Rp), jnp.float32)),
         grid=(B, K, nt, num_splits),
         grid_names=("b", "h", "t", "s"),
+        compiler_params=MOSAIC_GPU_PARAMS,
         interpret=interpret,
     )(lohi, q, k, v)
     o, lse = o[:, :, :, :R], lse[:, :, :, :R]

@@ -51,7 +51,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import hopper_or_no_gpu
+from pallas_kernels import MOSAIC_GPU_PARAMS, hopper_or_no_gpu
 
 try:  # JAX's Mosaic GPU interpreter (private in 0.10; the tests skip without it)
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -157,7 +157,8 @@ def kv_commit_mosaic_gpu(cache, path, start, n, *, interpret=False):
     def stateful(refs):
         cache_ref, path_ref, sn_ref = refs
 
-        @pl.core_map(plgpu.Mesh(grid=(B * H,), grid_names=("row",)), interpret=interpret)
+        @pl.core_map(plgpu.Mesh(grid=(B * H,), grid_names=("row",)), compiler_params=MOSAIC_GPU_PARAMS,
+                     interpret=interpret)
         def _():
             r = lax.axis_index("row")
             b = r // H
