@@ -153,11 +153,6 @@ class Decoder:
                              f"{self.method}, budget {self.budget})")
         return replace(self.settings, budget=budget)
 
-    @property
-    def dp(self) -> int:
-        """Data-parallel groups the rows are split over (1 on one device)."""
-        return 1 if self.model.layout is None else self.model.layout.mesh.shape["dp"]
-
     # ------------------------------------------------------------------------------ sizing
 
     def spec_max_len(self, length: int, max_new_tokens: int) -> int:
@@ -238,7 +233,7 @@ class Decoder:
         if self.method != "ar":
             d, settings = self.drafter, self.settings_for(budget)
             B = s.bonus.shape[0]
-            R = B if live is None else live_rows(len(live), B, self.dp)
+            R = B if live is None else live_rows(len(live), B, data_parallel(m))
             if R < B:
                 rows = list(live) + [b for b in range(B) if b not in live][: R - len(live)]
                 run.state = engine.spec_decode_rows(m.jit_def, m.params, d.jit_def, d.params, s,
@@ -367,6 +362,11 @@ class Decoder:
         s, ids = run.state, self.tokens(run)
         hist, rounds, nodes = to_host(s.accepted_hist), to_host(s.rounds), to_host(s.tree_nodes)
         return [spec_stats(hist[b], int(rounds[b]), len(ids[b]), self.budget, int(nodes[b])) for b in range(len(ids))]
+
+
+def data_parallel(model: Model) -> int:
+    """Data-parallel groups a model's rows are split over (1 on one device)."""
+    return 1 if model.layout is None else model.layout.mesh.shape["dp"]
 
 
 def live_rows(n: int, batch: int, dp: int = 1) -> int:

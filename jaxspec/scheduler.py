@@ -22,7 +22,7 @@ from typing import Callable
 
 import jax
 
-from jaxspec.decoder import Decoder, Run, live_rows, prompt_width, round_up
+from jaxspec.decoder import Decoder, Run, data_parallel, live_rows, prompt_width, round_up
 from jaxspec.plan import out_of_memory
 from jaxspec.sampling import SamplingParams
 from jaxspec.sharding import to_host
@@ -174,7 +174,7 @@ class Scheduler:
             dec.refill(run, [0], [[0] * min(width, self.ctx - 1)], [1], jax.random.key(0)[None], sampling=greedy[:1])
         self.run = dec.decode(run, 1, budget=self.budgets.get(B))  # compiles the loop without a step (all done)
         if dec.method != "ar":  # and the loops over fewer live rows (Decoder.decode)
-            for n in sorted({live_rows(n, B, dec.dp) for n in range(1, B)} - {B}):
+            for n in sorted({live_rows(n, B, data_parallel(dec.model)) for n in range(1, B)} - {B}):
                 dec.decode(self.run, 1, live=list(range(n)), budget=self.budgets.get(n))
         jax.block_until_ready(self.run.state)
 
@@ -225,7 +225,7 @@ class Scheduler:
             out, emitted, done = (to_host(x) for x in (run.state.out, run.state.emitted, run.state.done))
             new = {b: out[b, : emitted[b] - before[b]].tolist() for b in live}
         else:
-            budget = self.budgets.get(live_rows(len(live), self.B, dec.dp))
+            budget = self.budgets.get(live_rows(len(live), self.B, data_parallel(dec.model)))
             dec.decode(run, dec.count(run) + self.chunk, live=live, budget=budget)
             out, emitted, done = (to_host(x) for x in (run.state.out, run.state.emitted, run.state.done))
             new = {b: out[b, len(self.rows[b].tokens): emitted[b]].tolist() for b in live}

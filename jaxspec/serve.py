@@ -29,7 +29,7 @@ from jaxspec import api, budget
 from jaxspec.checkpoint import WeightsError
 from jaxspec.cli import BUNDLED_GGUF, ArgumentParser, UsageError, budget_arg, bundled_model, default_drafter
 from jaxspec.config import ConfigError
-from jaxspec.decoder import Decoder, live_rows
+from jaxspec.decoder import Decoder, data_parallel, live_rows
 from jaxspec.drafter import check_fits
 from jaxspec.model import DTYPES
 from jaxspec.sampling import SamplingParams
@@ -425,7 +425,7 @@ def build(args) -> tuple[Scheduler, str]:
     if method != "ar":
         check_fits(drafter.config, model)
         if b == "auto":  # one budget per number of live rows a round can run (the scheduler's `budgets`)
-            dp = 1 if model.layout is None else model.layout.mesh.shape["dp"]
+            dp = data_parallel(model)
             sizes = sorted({live_rows(n, args.max_batch, dp) for n in range(1, args.max_batch + 1)})
             chosen = {n: budget.choose(model, drafter, args.lookup, batch=n) for n in sizes}
             budgets = {n: c[0] for n, c in chosen.items()}

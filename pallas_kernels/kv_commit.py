@@ -134,11 +134,8 @@ def gpu_fits(cache) -> bool:
     return cache.shape[-1] * cache.dtype.itemsize % 128 == 0
 
 
-def _tma_chunk(width: int, itemsize: int) -> int:
+def _tma_chunk(width: int) -> int:
     """The TMA box's last dimension for a row of `width` values: the largest divisor <= 256."""
-    if width * itemsize % 128:
-        raise ValueError(f"the Mosaic GPU KV commit needs rows of a multiple of 128 bytes, got {width} x {itemsize} B; "
-                         "use impl='xla'")
     return max(d for d in range(1, 257) if width % d == 0)
 
 
@@ -150,7 +147,10 @@ def kv_commit_mosaic_gpu(cache, path, start, n, *, interpret=False):
     B, H, T, D = cache.shape
     path, start, n = per_row(B, path, start, n)
     P = path.shape[1]
-    c = _tma_chunk(D, cache.dtype.itemsize)
+    if not gpu_fits(cache):
+        raise ValueError(f"the Mosaic GPU KV commit needs rows of a multiple of 128 bytes, got {D} x "
+                         f"{cache.dtype.itemsize} B; use impl='xla'")
+    c = _tma_chunk(D)
     rows = cache.reshape(B * H, T, D // c, c)  # [R, T, D/c, c]: one TMA box per token row
     sn = jnp.stack([start, n], axis=1)  # [B, 2]
 
