@@ -18,8 +18,10 @@ from jax.sharding import PartitionSpec as P
 import jaxspec
 from compiles import compiles, engine_compiles
 from jaxspec import engine
+from jaxspec.cache import KVEntry
 from jaxspec.config import dense_config_from_dict
 from jaxspec.decoder import Decoder, live_rows
+from jaxspec.kernels import gpu, xla
 from jaxspec.models.deepseek import deepseek_config_from_dict
 from jaxspec.models.gemma4 import gemma4_config_from_dict
 from jaxspec.models.qwen3_next import hybrid_config_from_dict
@@ -237,11 +239,13 @@ COLLECTIVE = re.compile(r"= (\([^)]*\)|\S+) (all-reduce|all-gather|all-to-all|co
                         r"|collective-broadcast)(?:-start)?\(")
 
 
-def collectives(layers: int, max_len: int) -> dict[str, list[tuple[str, tuple[str, ...]]]]:
+def collectives(layers: int, max_len: int, **kw) -> dict[str, list[tuple[str, tuple[str, ...]]]]:
     """(op, operand shapes) of every collective in the compiled AR decode loop and speculative (DDTree) loop of a
     Qwen3.6-shaped target of `layers` layers at tp = 8 with `max_len` cache slots (an oracle drafter: no layers,
-    so every collective is the target's, its verify and its commit)."""
-    m = jaxspec.random_model(hybrid_config_from_dict({**QWEN36, "num_hidden_layers": layers}))
+    so every collective is the target's, its verify and its commit). kw: config overrides, and `dtype` / `kernels`
+    for `random_model`."""
+    opts = {k: kw.pop(k) for k in ("dtype", "kernels") if k in kw}
+    m = jaxspec.random_model(hybrid_config_from_dict({**QWEN36, "num_hidden_layers": layers, **kw}), **opts)
     m = m.on_mesh(jaxspec.make_mesh(tp=8))
     sp, eos, key, n, toks = SamplingParams(), (-1,), jax.random.key(0), jnp.int32(8), jnp.zeros((1, 16), jnp.int32)
     state = engine.ar_prefill(m.jit_def, m.params, toks, jnp.zeros((1,), jnp.int32), key, n, max_len=max_len,
@@ -286,3 +290,81 @@ def test_qwen36_shaped_same_tokens_at_tp8():
     d = oracle_drafter(sharded, PROMPT + want, noise=0.3, block_size=5)
     r = jaxspec.generate(sharded, input_ids=PROMPT, drafter=d, method="ddtree", budget=8, max_new_tokens=NEW)
     assert r.token_ids == want and r.stats["acceptance_length"] > 2.0
+
+
+@pytest.fixture
+def kernel_per_device(monkeypatch):
+    """The GPU path's flash-decoding kernel in CPU programs too, one call per device on a mesh (its reference per
+    device under the interpreter: gpu._flash_prefix), the calls' shapes recorded."""
+    seen = []
+    spy = gpu.flash_decode_reference
+    monkeypatch.setattr(gpu, "INTERPRET", True)
+    monkeypatch.setattr(gpu, "flash_decode_reference", lambda q, k, *a, **kw: seen.append((q.shape, k.shape)) or
+                        spy(q, k, *a, **kw))
+    return seen
+
+
+@pytest.mark.parametrize("tp,dp,rows,group", [(8, 1, 2, 3), (4, 2, 1, 6)])
+def test_flash_decoding_kernel_per_device(kernel_per_device, tp, dp, rows, group):
+    """On a mesh the GPU path's committed prefix runs once per device over that device's shards (a custom call the
+    partitioner cannot split, inside a shard_map with the cache's own specs). Qwen3.6's 24 query heads over 4 KV
+    heads, a tree verify over a cache laid out by the layout's rules (tp = 8: KV heads over tp_kv, each device's 3
+    query heads of its KV head over tp_rep; dp 2 x tp 4: rows over dp, 6 query heads per device): the reference's
+    output, and each call saw one KV head and its device's rows.
+
+    Attention alone, not a whole sharded generate: XLA:CPU's in-process collectives now and then deadlock on the GPU
+    path's decode programs over 8 fake devices (a rendezvous that 5 of 8 devices reach, with the blocked loop too)."""
+    mesh = jaxspec.make_mesh(tp=tp, dp=dp)
+    layout = Layout.of("dense", mesh, {"q_heads": 24, "kv_heads": 4})
+    B, N, H, KVH, T, D = 2, 9, 24, 4, 256, 64
+    length, mask = __import__("test_kernels_gpu").case(B, N, T, [200, 64], [0, 3], tree=True)
+    ks = jax.random.split(jax.random.key(3), 5)
+    q = jax.random.normal(ks[0], (B, N, H, D), jnp.float16)
+    k_old, v_old = (jax.random.normal(x, (B, KVH, T, D), jnp.float16) for x in ks[1:3])
+    k_new, v_new = (jax.random.normal(x, (B, N, KVH, D), jnp.float16) for x in ks[3:5])
+    put = lambda x, axes: jax.device_put(x, layout.sharding(axes, x.shape))  # noqa: E731
+    new = ("batch", "seq", "kv_heads", "head_dim")
+    args = (put(q, ("batch", "seq", "q_heads", "head_dim")), put(k_old, KVEntry.AXES["k"]),
+            put(v_old, KVEntry.AXES["v"]), put(k_new, new), put(v_new, new), length, mask)
+    assert args[1].sharding.spec[1] == ("tp_kv" if tp == 8 else "tp")
+    got = jax.jit(lambda *a: gpu.cache_attention(*a, 0.125, None, ranged=True))(*args)
+    want = xla.cache_attention(*(x.astype(jnp.float32) for x in (q, k_old, v_old, k_new, v_new)), length, mask, 0.125)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2, rtol=0)
+    assert set(kernel_per_device) == {((rows, 1, group * N, D), (rows, 1, T, D))}
+
+
+def test_flash_decoding_kernel_per_device_moves_no_cache(kernel_per_device):
+    """The kernel's shard_map takes the cache as it lies: the compiled tp = 8 loops (AR and DDTree) have the same
+    collectives with the kernel per device as with the blocked loop the partitioner splits itself, none with an
+    operand as long as the cache (specs that disagreed with the cache's sharding would gather it first)."""
+    kw = dict(head_dim=64, dtype=jnp.float16, kernels="gpu")
+    with_kernel = collectives(4, 256, **kw)
+    assert kernel_per_device
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gpu, "FLASH_DECODE", False)
+        blocked = collectives(4, 256, **kw)
+    for prog in ("ar", "verify"):
+        assert Counter(op for op, _ in with_kernel[prog]) == Counter(op for op, _ in blocked[prog]), prog
+        assert not [c for c in with_kernel[prog] if any(",256," in s for s in c[1])], with_kernel[prog]
+
+
+def test_sharded_gpu_path_lowers_the_kernel_per_device():
+    """The `cuda` lowering of a tp = 8 AR step and DDTree loop on the GPU path (bf16, Qwen3.6's heads, head_dim 256)
+    holds the flash-decoding kernel once per attention layer, over one device's KV head and query rows."""
+    cfg = hybrid_config_from_dict({**QWEN36, "num_hidden_layers": 4, "head_dim": 256})
+    m = jaxspec.random_model(cfg, dtype=jnp.bfloat16, kernels="gpu").on_mesh(jaxspec.make_mesh(tp=8))
+    sp, eos, key, n, toks = SamplingParams(), (-1,), jax.random.key(0), jnp.int32(8), jnp.zeros((1, 16), jnp.int32)
+    export = lambda f, *a, **k: jax.export.export(f, platforms=("cuda",))(*a, **k).mlir_module()  # noqa: E731
+    state = engine.ar_prefill(m.jit_def, m.params, toks, jnp.zeros((1,), jnp.int32), key, n, max_len=256,
+                              out_len=8, sampling=sp, eos=eos, layout=m.layout)
+    ar = export(engine.ar_decode, m.jit_def, m.params, state, n, sampling=sp, eos=eos, layout=m.layout)
+    d = oracle_drafter(m, list(range(32)), block_size=5)
+    settings = engine.SpecSettings("ddtree", 8, 5, d.config.target_layer_ids, sp, eos, "xla", m.layout, d.layout)
+    args = (m.jit_def, m.params, d.jit_def, d.params)
+    state = engine.spec_prefill(*args, toks, jnp.int32(11), key, n, max_len=256, out_len=16, settings=settings)
+    verify = export(engine.spec_decode, *args, state, n, settings=settings)
+    for text, rows in ((ar, 3), (verify, 27)):  # 6 query heads per KV head, 3 per device; 1 or 1 + 8 tokens
+        assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+        operands = re.findall(r"func.func private @flash_decode\w*\(%arg0: (tensor<\S+>) [^,]*, %arg1: (tensor<\S+>)",
+                              text)
+        assert operands == [(f"tensor<1x1x{rows}x256xbf16>", "tensor<1x1x256x256xbf16>")], operands

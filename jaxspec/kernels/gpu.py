@@ -16,16 +16,18 @@ nobody reads.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jaxspec.kernels.xla import NEG_INF
 from jaxspec.sharding import on_one_device
 from pallas_kernels import hopper_or_no_gpu
-from pallas_kernels.decode_attention import flash_decode
+from pallas_kernels.decode_attention import flash_decode, flash_decode_reference
 from pallas_kernels.kv_commit import GPU_INTERPRET
 
 BLOCK = 512  # slots per block: [G * N, 512] scores per KV head and row stay in the GPU's caches
@@ -108,19 +110,62 @@ def _blocks(carry, n_blocks, bs, qg, k, v, mask, G, scale, softcap, valid=None):
 
 def flash_fits(q, k, v) -> bool:
     """Whether the Mosaic GPU kernel takes this committed prefix: bf16 / f16 throughout, head dims multiples of 64
-    up to 256, a buffer of whole 64-slot blocks, on one device (a custom call cannot be split by the partitioner,
-    which would gather the whole cache onto every device), and a Hopper GPU if this process has a GPU."""
+    up to 256, a buffer of whole 64-slot blocks, on one device or split the way `shard_specs` runs it per device,
+    and a Hopper GPU if this process has a GPU."""
     D, T = k.shape[-1], k.shape[2]
-    return (hopper_or_no_gpu() and on_one_device(q, k, v) and q.dtype in (jnp.bfloat16, jnp.float16)
-            and k.dtype == v.dtype == q.dtype and D % 64 == 0 and D <= 256 and T % 64 == 0)
+    return (hopper_or_no_gpu() and q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == v.dtype == q.dtype
+            and D % 64 == 0 and D <= 256 and T % 64 == 0 and (on_one_device(q, k, v) or shard_specs(q, k) is not None))
 
 
-def _flash_prefix(qg, k, v, lo, hi, scale, softcap, interpret):
+def shard_specs(q, k):
+    """On a mesh, how the kernel's operands lie so that it runs on each device's own shards inside a shard_map (a
+    custom call cannot be split by the partitioner, which would gather the whole cache onto every device): (mesh,
+    specs of the grouped queries [B, K, G * N, D], of k and v [B, K, T, D] and of the per-row lo and hi [B]), or
+    None where the query heads do not split along the cache's KV heads (K/V replicated over tp: 3 KV heads on 8).
+
+    The specs are the cache's own (`jaxspec.sharding`): rows over dp, KV heads over tp, or over tp_kv where KV heads
+    are fewer than tp, each device's query heads of a KV head then over tp_rep (grouped row g * N + n splits by g).
+    Nothing moves but the queries' few rows, and only if the partitioner had them otherwise."""
+    mesh = jax.typeof(k).sharding.mesh
+    B, _, H, _ = q.shape
+    K = k.shape[1]
+    sizes = dict(mesh.shape)
+    rows = "dp" if B % sizes.get("dp", 1) == 0 else None
+    if "tp_kv" in sizes:  # K % tp_kv == 0 by the layout's construction
+        if (H // K) % sizes["tp_rep"]:
+            return None
+        heads, group = "tp_kv", "tp_rep"
+    elif K % sizes.get("tp", 1):
+        return None
+    else:
+        heads, group = ("tp" if "tp" in sizes else None), None
+    return mesh, P(rows, heads, group, None), P(rows, heads, None, None), P(rows)
+
+
+def _flash_prefix(q, qg, k, v, lo, hi, scale, softcap, interpret):
     """The committed prefix [lo[b], hi[b]) through the kernel, as an online-softmax carry: its log-sum-exp is the
     running maximum and its normalised output the values, whose sum is then 1 (an empty row: lse EMPTY_LSE =
-    NEG_INF and output 0, which the next block's larger maximum scales away)."""
+    NEG_INF and output 0, which the next block's larger maximum scales away).
+
+    On a mesh, each device's shards (`shard_specs`). Under the interpreter (tests on CPU devices) each device runs
+    the kernel's reference instead: the interpreter simulates one GPU memory for every device, and XLA:CPU runs
+    the devices at once, so it cannot interpret the kernel on several."""
+    if on_one_device(qg, k, v):
+        return _flash_local(qg, k, v, lo, hi, scale, softcap, interpret)
+    mesh, q_spec, kv_spec, row_spec = shard_specs(q, k)
+    local = functools.partial(_flash_local, scale=scale, softcap=softcap, interpret=interpret, mesh=True)
+    lse_spec = P(*q_spec[:3])
+    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, row_spec, row_spec),
+                         out_specs=(lse_spec, lse_spec, q_spec), check_vma=False)(qg, k, v, lo, hi)
+
+
+def _flash_local(qg, k, v, lo, hi, scale, softcap, interpret, mesh=False):
+    """`flash_decode` of one device's qg [B, K, R, D] over its k, v [B, K, T, D] -> (lse, 1, o)."""
     B, K, R, D = qg.shape
     T = k.shape[2]
+    if mesh and interpret is not None:
+        o, lse = flash_decode_reference(qg, k, v, lo, hi, scale=scale, softcap=softcap)
+        return lse, jnp.ones_like(lse), o
     bk = 128 if D <= 128 and T % 128 == 0 else 64  # the SMEM budget: D = 256 fits 64-slot blocks only
     tiles = -(-R // 64)
     splits = max(1, min(SMS // (B * K * tiles), T // bk, 16))  # flash decoding: fill the SMs with one row's blocks
@@ -155,8 +200,8 @@ def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, s
     if ranged and FLASH_DECODE and flash_fits(q, k_old, v_old):
         seen = mask[:, 0, :T] & (jnp.arange(T)[None, :] < used[:, None])  # [B, T]: row b's committed range
         lo = jnp.where(seen.any(1), jnp.argmax(seen, axis=1), used).astype(jnp.int32)
-        kernel = lambda *a: _flash_prefix(*a, scale, softcap, None)  # noqa: E731
-        here = (lambda *a: _flash_prefix(*a, scale, softcap, GPU_INTERPRET)) if INTERPRET else blocked
+        kernel = lambda *a: _flash_prefix(q, *a, scale, softcap, None)  # noqa: E731
+        here = (lambda *a: _flash_prefix(q, *a, scale, softcap, GPU_INTERPRET)) if INTERPRET else blocked
         carry = lax.platform_dependent(qg, k_old, v_old, lo, used, cuda=kernel, default=here)
     else:
         carry = blocked(qg, k_old, v_old, None, used)
