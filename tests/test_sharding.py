@@ -304,19 +304,20 @@ def kernel_per_device(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("tp,dp,rows,group", [(8, 1, 2, 3), (4, 2, 1, 6)])
-def test_flash_decoding_kernel_per_device(kernel_per_device, tp, dp, rows, group):
+@pytest.mark.parametrize("tp,dp,KVH,rows,group", [(8, 1, 4, 2, 3), (4, 2, 4, 1, 6), (8, 1, 2, None, None)])
+def test_flash_decoding_kernel_per_device(kernel_per_device, tp, dp, KVH, rows, group):
     """On a mesh the GPU path's committed prefix runs once per device over that device's shards (a custom call the
     partitioner cannot split, inside a shard_map with the cache's own specs). Qwen3.6's 24 query heads over 4 KV
     heads, a tree verify over a cache laid out by the layout's rules (tp = 8: KV heads over tp_kv, each device's 3
     query heads of its KV head over tp_rep; dp 2 x tp 4: rows over dp, 6 query heads per device): the reference's
-    output, and each call saw one KV head and its device's rows.
+    output, and each call saw one KV head and its device's rows. A layer with fewer KV heads than the layout's (2 of
+    4 on tp_kv = 4: its cache replicated) keeps the blocked loop.
 
     Attention alone, not a whole sharded generate: XLA:CPU's in-process collectives now and then deadlock on the GPU
     path's decode programs over 8 fake devices (a rendezvous that 5 of 8 devices reach, with the blocked loop too)."""
     mesh = jaxspec.make_mesh(tp=tp, dp=dp)
     layout = Layout.of("dense", mesh, {"q_heads": 24, "kv_heads": 4})
-    B, N, H, KVH, T, D = 2, 9, 24, 4, 256, 64
+    B, N, H, T, D = 2, 9, 24, 256, 64
     length, mask = __import__("test_kernels_gpu").case(B, N, T, [200, 64], [0, 3], tree=True)
     ks = jax.random.split(jax.random.key(3), 5)
     q = jax.random.normal(ks[0], (B, N, H, D), jnp.float16)
@@ -326,11 +327,11 @@ def test_flash_decoding_kernel_per_device(kernel_per_device, tp, dp, rows, group
     new = ("batch", "seq", "kv_heads", "head_dim")
     args = (put(q, ("batch", "seq", "q_heads", "head_dim")), put(k_old, KVEntry.AXES["k"]),
             put(v_old, KVEntry.AXES["v"]), put(k_new, new), put(v_new, new), length, mask)
-    assert args[1].sharding.spec[1] == ("tp_kv" if tp == 8 else "tp")
+    assert args[1].sharding.spec[1] == (None if KVH == 2 else "tp_kv" if tp == 8 else "tp")
     got = jax.jit(lambda *a: gpu.cache_attention(*a, 0.125, None, ranged=True))(*args)
     want = xla.cache_attention(*(x.astype(jnp.float32) for x in (q, k_old, v_old, k_new, v_new)), length, mask, 0.125)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2, rtol=0)
-    assert set(kernel_per_device) == {((rows, 1, group * N, D), (rows, 1, T, D))}
+    assert set(kernel_per_device) == ({((rows, 1, group * N, D), (rows, 1, T, D))} if rows else set())
 
 
 def test_flash_decoding_kernel_per_device_moves_no_cache(kernel_per_device):

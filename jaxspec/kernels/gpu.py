@@ -131,8 +131,8 @@ def shard_specs(q, k):
     K = k.shape[1]
     sizes = dict(mesh.shape)
     rows = "dp" if B % sizes.get("dp", 1) == 0 else None
-    if "tp_kv" in sizes:  # K % tp_kv == 0 by the layout's construction
-        if (H // K) % sizes["tp_rep"]:
+    if "tp_kv" in sizes:
+        if K % sizes["tp_kv"] or (H // K) % sizes["tp_rep"]:  # a layer with fewer KV heads than the layout's
             return None
         heads, group = "tp_kv", "tp_rep"
     elif K % sizes.get("tp", 1):
