@@ -239,26 +239,30 @@ COLLECTIVE = re.compile(r"= (\([^)]*\)|\S+) (all-reduce|all-gather|all-to-all|co
                         r"|collective-broadcast)(?:-start)?\(")
 
 
-def collectives(layers: int, max_len: int, **kw) -> dict[str, list[tuple[str, tuple[str, ...]]]]:
-    """(op, operand shapes) of every collective in the compiled AR decode loop and speculative (DDTree) loop of a
-    Qwen3.6-shaped target of `layers` layers at tp = 8 with `max_len` cache slots (an oracle drafter: no layers,
-    so every collective is the target's, its verify and its commit). kw: config overrides, and `dtype` / `kernels`
-    for `random_model`."""
-    opts = {k: kw.pop(k) for k in ("dtype", "kernels") if k in kw}
-    m = jaxspec.random_model(hybrid_config_from_dict({**QWEN36, "num_hidden_layers": layers, **kw}), **opts)
-    m = m.on_mesh(jaxspec.make_mesh(tp=8))
+def tp8_loops(m, max_len: int, lower) -> dict:
+    """lower(fn, *args, **kwargs) of the AR decode loop and the speculative (DDTree, budget 8) loop of a target on a
+    tp = 8 mesh with `max_len` cache slots (an oracle drafter: no layers, so every op is the target's, its verify's
+    and its commit's), as {"ar": ..., "verify": ...}."""
     sp, eos, key, n, toks = SamplingParams(), (-1,), jax.random.key(0), jnp.int32(8), jnp.zeros((1, 16), jnp.int32)
     state = engine.ar_prefill(m.jit_def, m.params, toks, jnp.zeros((1,), jnp.int32), key, n, max_len=max_len,
                               out_len=8, sampling=sp, eos=eos, layout=m.layout)
-    ar = engine.ar_decode.lower(m.jit_def, m.params, state, n, sampling=sp, eos=eos, layout=m.layout)
+    ar = lower(engine.ar_decode, m.jit_def, m.params, state, n, sampling=sp, eos=eos, layout=m.layout)
     d = oracle_drafter(m, list(range(32)), block_size=5)
     settings = engine.SpecSettings("ddtree", 8, 4, d.config.target_layer_ids, sp, eos, "xla", m.layout, d.layout)
     args = (m.jit_def, m.params, d.jit_def, d.params)
     state = engine.spec_prefill(*args, toks, jnp.int32(11), key, n, max_len=max_len, out_len=16, settings=settings)
-    spec = engine.spec_decode.lower(*args, state, n, settings=settings)
-    return {name: [(op, tuple(re.findall(r"[a-z]+[0-9]*\[[0-9,]*\]", shape)))
-                   for shape, op in COLLECTIVE.findall(lowered.compile().as_text())]
-            for name, lowered in (("ar", ar), ("verify", spec))}
+    return {"ar": ar, "verify": lower(engine.spec_decode, *args, state, n, settings=settings)}
+
+
+def collectives(layers: int, max_len: int, **kw) -> dict[str, list[tuple[str, tuple[str, ...]]]]:
+    """(op, operand shapes) of every collective in the compiled `tp8_loops` of a Qwen3.6-shaped target of `layers`
+    layers. kw: config overrides, and `dtype` / `kernels` for `random_model`."""
+    opts = {k: kw.pop(k) for k in ("dtype", "kernels") if k in kw}
+    m = jaxspec.random_model(hybrid_config_from_dict({**QWEN36, "num_hidden_layers": layers, **kw}), **opts)
+    compiled = tp8_loops(m.on_mesh(jaxspec.make_mesh(tp=8)), max_len,
+                         lambda f, *a, **k: f.lower(*a, **k).compile().as_text())
+    return {name: [(op, tuple(re.findall(r"[a-z]+[0-9]*\[[0-9,]*\]", shape))) for shape, op in COLLECTIVE.findall(text)]
+            for name, text in compiled.items()}
 
 
 def test_tp_pays_two_all_reduces_per_layer():
@@ -354,17 +358,8 @@ def test_sharded_gpu_path_lowers_the_kernel_per_device():
     holds the flash-decoding kernel once per attention layer, over one device's KV head and query rows."""
     cfg = hybrid_config_from_dict({**QWEN36, "num_hidden_layers": 4, "head_dim": 256})
     m = jaxspec.random_model(cfg, dtype=jnp.bfloat16, kernels="gpu").on_mesh(jaxspec.make_mesh(tp=8))
-    sp, eos, key, n, toks = SamplingParams(), (-1,), jax.random.key(0), jnp.int32(8), jnp.zeros((1, 16), jnp.int32)
-    export = lambda f, *a, **k: jax.export.export(f, platforms=("cuda",))(*a, **k).mlir_module()  # noqa: E731
-    state = engine.ar_prefill(m.jit_def, m.params, toks, jnp.zeros((1,), jnp.int32), key, n, max_len=256,
-                              out_len=8, sampling=sp, eos=eos, layout=m.layout)
-    ar = export(engine.ar_decode, m.jit_def, m.params, state, n, sampling=sp, eos=eos, layout=m.layout)
-    d = oracle_drafter(m, list(range(32)), block_size=5)
-    settings = engine.SpecSettings("ddtree", 8, 5, d.config.target_layer_ids, sp, eos, "xla", m.layout, d.layout)
-    args = (m.jit_def, m.params, d.jit_def, d.params)
-    state = engine.spec_prefill(*args, toks, jnp.int32(11), key, n, max_len=256, out_len=16, settings=settings)
-    verify = export(engine.spec_decode, *args, state, n, settings=settings)
-    for text, rows in ((ar, 3), (verify, 27)):  # 6 query heads per KV head, 3 per device; 1 or 1 + 8 tokens
+    texts = tp8_loops(m, 256, lambda f, *a, **k: jax.export.export(f, platforms=("cuda",))(*a, **k).mlir_module())
+    for text, rows in ((texts["ar"], 3), (texts["verify"], 27)):  # 3 query heads per device, 1 or 9 tokens
         assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
         operands = re.findall(r"func.func private @flash_decode\w*\(%arg0: (tensor<\S+>) [^,]*, %arg1: (tensor<\S+>)",
                               text)

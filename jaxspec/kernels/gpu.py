@@ -153,24 +153,27 @@ def _flash_prefix(q, qg, k, v, lo, hi, scale, softcap, interpret):
     if on_one_device(qg, k, v):
         return _flash_local(qg, k, v, lo, hi, scale, softcap, interpret)
     mesh, q_spec, kv_spec, row_spec = shard_specs(q, k)
-    local = functools.partial(_flash_local, scale=scale, softcap=softcap, interpret=interpret, mesh=True)
+    local = (functools.partial(_flash_local, scale=scale, softcap=softcap, interpret=None) if interpret is None else
+             functools.partial(_reference_local, scale=scale, softcap=softcap))
     lse_spec = P(*q_spec[:3])
     return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, row_spec, row_spec),
                          out_specs=(lse_spec, lse_spec, q_spec), check_vma=False)(qg, k, v, lo, hi)
 
 
-def _flash_local(qg, k, v, lo, hi, scale, softcap, interpret, mesh=False):
+def _flash_local(qg, k, v, lo, hi, scale, softcap, interpret):
     """`flash_decode` of one device's qg [B, K, R, D] over its k, v [B, K, T, D] -> (lse, 1, o)."""
     B, K, R, D = qg.shape
     T = k.shape[2]
-    if mesh and interpret is not None:
-        o, lse = flash_decode_reference(qg, k, v, lo, hi, scale=scale, softcap=softcap)
-        return lse, jnp.ones_like(lse), o
     bk = 128 if D <= 128 and T % 128 == 0 else 64  # the SMEM budget: D = 256 fits 64-slot blocks only
     tiles = -(-R // 64)
     splits = max(1, min(SMS // (B * K * tiles), T // bk, 16))  # flash decoding: fill the SMs with one row's blocks
     o, lse = flash_decode(qg, k, v, lo, hi, scale=scale, softcap=softcap, block_kv=bk, num_splits=splits,
                           interpret=interpret)
+    return lse, jnp.ones_like(lse), o
+
+
+def _reference_local(qg, k, v, lo, hi, scale, softcap):
+    o, lse = flash_decode_reference(qg, k, v, lo, hi, scale=scale, softcap=softcap)
     return lse, jnp.ones_like(lse), o
 
 
