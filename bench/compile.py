@@ -4,7 +4,13 @@ grows with the number of ops, which the unrolled layer loop multiplies by depth,
 (Qwen3) or hybrid (Qwen3.6's pattern, 3 Gated DeltaNet layers to 1 attention layer). Each program is lowered
 and compiled once, timed apart.
 
+With --server CTX it times a server's start instead (`Scheduler._build`, 4 rows, DDTree at budget 4 with 1-, 2- and
+4-row loops, AR with --method ar) at that context: every program it compiles (a refill per prompt width, the decode
+loops) and the seconds the start takes, compiles and warm-up calls included. Run it with
+JAXSPEC_COMPILATION_CACHE=0 to time cold compiles.
+
     python bench/compile.py [--family dense|hybrid] [--layers 16,32,64] [--json FILE]
+    python bench/compile.py --server 8192 [--method ar|ddtree] [--layers 8]
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from jaxspec.config import dense_config_from_dict  # noqa: E402
 from jaxspec.decoder import Decoder  # noqa: E402
 from jaxspec.models.qwen3_next import hybrid_config_from_dict  # noqa: E402
 from jaxspec.sampling import SamplingParams  # noqa: E402
+from jaxspec.scheduler import Scheduler  # noqa: E402
 
 
 def seconds(jitted, *args, **kw) -> tuple[float, float]:
@@ -36,24 +43,49 @@ def seconds(jitted, *args, **kw) -> tuple[float, float]:
     return t1 - t, time.perf_counter() - t1
 
 
+def target(family: str, layers: int, context: int = 4096):
+    shape = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=context)
+    if family == "dense":
+        return jaxspec.random_model(dense_config_from_dict(dict(shape, model_type="qwen3")), seed=0)
+    cfg = hybrid_config_from_dict(dict(shape, model_type="qwen3_5_text", full_attention_interval=4,
+                                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                                       linear_value_head_dim=64))
+    return jaxspec.random_model(cfg, seed=0)
+
+
+def server_start(args) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from compiles import compiles, engine_compiles
+
+    layers = int(args.layers.split(",")[0])
+    m = target(args.family, layers, args.server)
+    spec = args.method != "ar"
+    d = jaxspec.init_drafter(m, num_layers=1, block_size=8, seed=0) if spec else None
+    dec = Decoder(m, d, method=args.method, budget=4 if spec else None, sampling=SamplingParams(per_row=True))
+    sched = Scheduler(dec, max_batch=4, max_model_len=args.server, budgets={1: 2, 2: 4, 4: 4} if spec else None)
+    t = time.perf_counter()
+    with compiles() as counted:
+        sched._build()
+    programs = engine_compiles(counted)
+    print(f"{args.family} {layers} layers, {args.method}, context {args.server}: {sum(programs.values())} programs, "
+          f"start {time.perf_counter() - t:.1f} s; {programs}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--family", choices=("dense", "hybrid"), default="dense")
     ap.add_argument("--layers", default="16,32,64")
     ap.add_argument("--json")
+    ap.add_argument("--server", type=int, metavar="CTX", help="time a server's start at this context instead")
+    ap.add_argument("--method", choices=("ar", "ddtree"), default="ddtree")
     args = ap.parse_args(argv)
+    if args.server:
+        return server_start(args)
     rows = []
     print("| layers | program | lower s | compile s |\n|---|---|---|---|")
     for n in map(int, args.layers.split(",")):
-        shape = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=n,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
-        if args.family == "dense":
-            cfg = dense_config_from_dict(dict(shape, model_type="qwen3"))
-        else:
-            cfg = hybrid_config_from_dict(dict(shape, model_type="qwen3_5_text", full_attention_interval=4,
-                                               linear_num_key_heads=2, linear_num_value_heads=4,
-                                               linear_key_head_dim=64, linear_value_head_dim=64))
-        m = jaxspec.random_model(cfg, seed=0)
+        m = target(args.family, n)
         d = jaxspec.init_drafter(m, num_layers=1, block_size=16, seed=0)
         ar, spec = Decoder(m), Decoder(m, d, method="ddtree", budget=16)
         prompt = [[5] * 100]

@@ -279,7 +279,7 @@ class Decoder:
                     raise ValueError(f"a prompt of {len(p)} tokens with {limit} new ones needs more than the batch's "
                                      f"{run.full_len} cache slots; prefill the batch with max_len= for the longest")
         R = 1 << math.ceil(math.log2(n))
-        P = prompt_width(max(map(len, prompts)))
+        P = self.refill_width(run, max(map(len, prompts)))
         row_sampling = self.row_sampling(None if sampling is None else list(sampling) + [sampling[0]] * (R - n), R)
         if key is not None and key.shape == (n,):
             key = jnp.concatenate([key, jnp.broadcast_to(key[:1], (R - n,))])
@@ -304,6 +304,17 @@ class Decoder:
                                             jnp.asarray(start), max_new, jax.random.key(0) if key is None else key,
                                             row_sampling, sampling=self.sampling, eos=self.eos, layout=m.layout)
         return to_host(first)[:n].tolist()
+
+    def refill_width(self, run: Run, n: int) -> int:
+        """The token width `refill` pads prompts of up to n tokens to. A speculative row's prompt longer than one
+        prefill chunk is padded to the widest its buffer holds: each row's prefill writes into the run's full
+        buffer anyway and stops after its last chunk with a real token (engine.prefill_forward), so all long
+        prompts share one program instead of one per chunk count (a server with a 32k context would otherwise
+        compile 31 of them) and none does more work for it. An AR prompt is prefilled into a fresh cache of its
+        width, whose every slot each chunk's attention reads on the CPU, so AR keeps one program per width."""
+        if self.method == "ar" or n <= engine.PREFILL_CHUNK:
+            return prompt_width(n)
+        return run.state.cache.max_len // engine.PREFILL_CHUNK * engine.PREFILL_CHUNK
 
     def start_chunk(self, run: Run) -> None:
         """AR continuous batching: the next chunk counts its own steps (`decode`'s stop is then per chunk). The zero

@@ -109,7 +109,9 @@ def prefill_forward(target, tokens, positions, lengths, cache: Cache, *, chunk: 
     A prompt longer than `chunk` (P a multiple of it) goes through in chunks, one forward each inside a loop:
     each chunk attends to the cache its predecessors wrote and causally to itself. A row with fewer real tokens
     than a chunk folds only those (a GDN state) and writes the rest as scratch past its length, which the next
-    chunk overwrites; every write stays below the chunk's end, so inside the buffer."""
+    chunk overwrites; every write stays below the chunk's end, so inside the buffer. The loop stops after the
+    last chunk that holds a real token, so right padding costs no forward: a speculative refill pads every long
+    prompt to one width and compiles one program for them all (Decoder.refill_width)."""
     B, P = tokens.shape
     lengths = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), (B,))
 
@@ -133,7 +135,8 @@ def prefill_forward(target, tokens, positions, lengths, cache: Cache, *, chunk: 
         return jnp.where(here[:, None], logits, last), cache, draft_cache
 
     last = jnp.zeros((B, target.config.vocab_size), jnp.float32)
-    return jax.lax.fori_loop(0, P // chunk, body, (last, cache, draft_cache))
+    used = jnp.clip((jnp.max(lengths) + chunk - 1) // chunk, 1, P // chunk)  # chunks with a real token
+    return jax.lax.fori_loop(0, used, body, (last, cache, draft_cache))
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "max_len", "out_len", "sampling", "eos", "layout",

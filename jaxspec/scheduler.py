@@ -170,7 +170,7 @@ class Scheduler:
         # the buffers are allocated now: wait, so that a failed allocation (out of device memory) is raised here (a
         # program that takes a failed one's outputs can wait for ever instead)
         jax.block_until_ready(run.state)
-        for width in sorted({prompt_width(n) for n in range(1, self.ctx)}):
+        for width in sorted({dec.refill_width(run, n) for n in range(1, self.ctx)}):
             dec.refill(run, [0], [[0] * min(width, self.ctx - 1)], [1], jax.random.key(0)[None], sampling=greedy[:1])
         self.run = dec.decode(run, 1, budget=self.budgets.get(B))  # compiles the loop without a step (all done)
         if dec.method != "ar":  # and the loops over fewer live rows (Decoder.decode)

@@ -31,9 +31,10 @@ BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=None, bos_token_id=None)
 
 
-def tiny_target(family, seed=0):
-    """A random target with peaked logits (weights scaled up) so greedy ties are vanishingly rare."""
-    cfg = dense_config_from_dict({**BASE, **TINY[family]})
+def tiny_target(family, seed=0, **config):
+    """A random target with peaked logits (weights scaled up) so greedy ties are vanishingly rare; `config`
+    overrides config.json fields."""
+    cfg = dense_config_from_dict({**BASE, **TINY[family], **config})
     m = jaxspec.random_model(cfg, seed=seed)
     m.params = jax.tree.map(lambda x: x * 2.5, m.params)
     return m

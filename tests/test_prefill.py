@@ -11,11 +11,14 @@ import numpy as np
 import pytest
 
 import jaxspec
+from compiles import compiles, engine_compiles
 from jaxspec import engine
-from jaxspec.decoder import left_pad
+from jaxspec.batching import generate_many
+from jaxspec.decoder import Decoder, left_pad
 from jaxspec.sampling import SamplingParams
 from test_batched_spec import FAMILIES
 from test_cache import assert_same_cache
+from test_engine import tiny_target
 
 # The targets' weights are scaled up (peaked logits), so K/V reach ~10: float32 sums cut at other places differ by
 # ~1e-4 there, where a chunk that missed its context would move them by ~1.
@@ -80,3 +83,23 @@ def test_spec_prefill_in_chunks(model):
     go = lambda s: engine.spec_decode(model.jit_def, model.params, d.jit_def, d.params, s, jnp.int32(16),  # noqa: E731
                                       settings=settings).out
     np.testing.assert_array_equal(np.asarray(go(chunked)), np.asarray(go(whole)))
+
+
+@pytest.mark.parametrize("family,method", [("qwen3", "ar"), ("gemma3", "ar"), ("qwen3", "ddtree")])
+def test_long_refills_share_one_program(family, method):
+    """Prompts longer than a prefill chunk (1100 and 2050 tokens: 2 and 3 chunks of 1024) refill a row of a
+    continuous batch while a 2100-token row runs on. A speculative refill pads both to the widest prompt the buffer
+    holds, so they share one compiled program, and its prefill stops after each prompt's last real chunk; AR keeps a
+    program per width. Every answer is the prompt's greedy one alone (DDTree rows at slot 0; AR rows slid to make
+    room and the new row placed to end with the running one, Gemma 3's sliding layers in rings)."""
+    model = tiny_target(family, max_position_embeddings=4096)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, model.config.vocab_size, n).tolist() for n in (2100, 3, 1100, 2050)]
+    limits = [40, 5, 8, 8]
+    d = jaxspec.init_drafter(model, num_layers=1, block_size=8, seed=1) if method == "ddtree" else None
+    with compiles() as counted:
+        got = generate_many(model, prompts, limits, batch=2, chunk=4, method=method, drafter=d, budget=4)
+    refills = {k: v for k, v in engine_compiles(counted).items() if k.endswith("_refill)")}
+    assert refills == ({"jit(ar_refill)": 2} if method == "ar" else {"jit(spec_refill)": 1}), counted
+    alone = Decoder(model)
+    assert got == [alone.tokens(alone.decode(alone.prefill([p], n), n))[0] for p, n in zip(prompts, limits)]
