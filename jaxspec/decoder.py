@@ -272,6 +272,10 @@ class Decoder:
         if len(slots) != n or len(set(slots)) != n or not all(0 <= b < B for b in slots):
             raise ValueError(f"refill needs {n} distinct rows of the batch's {B} (got rows {slots}); a batch holds "
                              "no more prompts than it was prefilled with")
+        if self.method == "ar" and prompt_width(max(map(len, prompts))) > run.state.cache.max_len:
+            raise ValueError(f"a prompt of {max(map(len, prompts))} tokens fills "
+                             f"{prompt_width(max(map(len, prompts)))} cache slots, more than the batch's "
+                             f"{run.state.cache.max_len}; prefill the batch with max_len= for the longest")
         if self.method != "ar":
             for p, limit in zip(prompts, limits):
                 if (self.spec_max_len(len(p), limit) > run.full_len

@@ -35,6 +35,14 @@ def test_queue_slots_hold_every_row_and_the_widest_refill():
     assert n >= 70 + 16 and n >= 2 * PROMPT_BUCKET and n % 32 == 0
 
 
+def test_ar_refill_refuses_a_prompt_wider_than_the_batch():
+    m = tiny_target("qwen3")
+    dec = Decoder(m)
+    run = dec.prefill([PROMPT, PROMPT], 8)  # a batch's buffer starts at its prompt's 64 slots + a 64-slot window
+    with pytest.raises(ValueError, match="a prompt of 300 tokens fills 320 cache slots, more than the batch's 128"):
+        dec.refill(run, [0], [[1] * 300], [4])
+
+
 def test_decode_over_the_live_rows_alone():
     """A speculative batch of 4 with rows 1 and 3 done decodes rows 0 and 2 in 2-row rounds (and row 2 alone in
     1-row rounds): each live row gets the tokens and rounds of the full 4-row decode, and the idle rows are left
