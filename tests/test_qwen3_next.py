@@ -104,8 +104,10 @@ def test_cached_decode_and_chunked_prefill(tiny, model_type):
     logits2, _, c2 = causal(model, ids[:, 40:T], pos[:, 40:T], c2)
     np.testing.assert_allclose(logits2, ref[:, 40:T], rtol=0, atol=ATOL)
     whole = causal(model, ids[:, :T], pos[:, :T], m.init_cache(B, T))[2].advance(T)
+    # states reach ~2.5: float32 sums cut at the chunk boundary move them by ~5e-5 (CPU-dependent), a lost or
+    # doubled chunk by ~1
     for a, b in zip(jax.tree.leaves(c2.advance(T - 40).layers), jax.tree.leaves(whole.layers), strict=True):
-        np.testing.assert_allclose(a, b, rtol=0, atol=5e-5)
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-4)
 
 
 def test_left_padding(tiny):
