@@ -5,8 +5,12 @@ Each method gets its own `python -m jaxspec.serve` process on localhost (the bun
 Clients stream held-out chat prompts (never used in training) with the `openai` client, greedy, and every
 answer is checked against the first method's: the server must not change a token. Each level runs twice and
 the second run is timed (the first compiles the refill programs its prompt widths and group sizes need).
+A process's speed moves with the spell of a shared VM it runs in (by tens of percent on the 2-core VM), so
+`--repeats N` starts N servers per method, alternating methods, and reports each figure's median and the
+DDTree / AR ratio of each pair.
 
-    python bench/serve.py --concurrency 1,4,16 --requests 32 --max-tokens 64 [--max-batch 4] [--json out.json]
+    python bench/serve.py --concurrency 1,4,16 --requests 32 --max-tokens 64 [--max-batch 4] [--repeats 3]
+        [--json out.json]
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,7 +35,8 @@ from jaxspec.train.data import read_prompts  # noqa: E402
 NAME = "SmolLM2-135M-Instruct"
 
 
-def start_server(method: str, args) -> tuple[subprocess.Popen, str]:
+def start_server(method: str, args, log: Path) -> tuple[subprocess.Popen, str]:
+    """The server for `method` on a free port, its stderr in `log`, once it answers /health."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -38,11 +44,12 @@ def start_server(method: str, args) -> tuple[subprocess.Popen, str]:
            str(args.max_batch), "--max-model-len", str(args.max_model_len), "--chunk", str(args.chunk)]
     if method == "ddtree" and args.budget:
         cmd += ["--budget", args.budget]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "XLA_FLAGS": ""})
+    with log.open("w") as err:
+        proc = subprocess.Popen(cmd, stderr=err, text=True, env={**os.environ, "XLA_FLAGS": ""})
     url = f"http://127.0.0.1:{port}"
     for _ in range(1200):
         if proc.poll() is not None:
-            raise SystemExit(f"the {method} server exited: {proc.stderr.read()}")
+            raise SystemExit(f"the {method} server exited: {log.read_text()}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return proc, url
@@ -96,36 +103,45 @@ def main(argv=None) -> None:
     ap.add_argument("--chunk", type=int, default=16)
     ap.add_argument("--budget", default="auto", help="DDTree's budget flag for the server")
     ap.add_argument("--methods", default="ar,ddtree")
+    ap.add_argument("--repeats", type=int, default=1, help="server processes per method, alternating (medians)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     heldout = read_prompts("heldout")
     prompts = [heldout[i % len(heldout)] for i in range(args.requests)]
-    results, reference = {}, None
-    for method in args.methods.split(","):
-        proc, url = start_server(method, args)
+    runs, reference, choices = {}, None, {}  # runs[method][concurrency]: one row per server process
+    for rep, method in ((r, m) for r in range(args.repeats) for m in args.methods.split(",")):
+        log = Path(tempfile.mkdtemp(prefix="jaxspec-serve-bench-")) / f"{method}.log"
+        proc, url = start_server(method, args, log)
+        choices[method] = next((ln for ln in log.read_text().splitlines() if ln.startswith("budget auto:")), None)
+        if choices[method] and rep == 0:
+            print(f"{method:>6}  {choices[method]}", flush=True)
         try:
-            results[method] = []
             for c in levels:
                 level(url, prompts, c, args.max_tokens)  # compiles what this level needs
                 row, texts = level(url, prompts, c, args.max_tokens)
                 if reference is None:
                     reference = texts
                 assert texts == reference, f"{method} at concurrency {c}: answers differ from the first run's"
-                results[method].append(row)
+                runs.setdefault(method, {}).setdefault(c, []).append(row)
                 print(f"{method:>6}  c={c:>3}  {row['requests_per_s']:6.2f} req/s  {row['output_tokens_per_s']:7.1f} "
                       f"tok/s  TTFT {row['ttft_median_s'] * 1e3:7.0f} / {row['ttft_p90_s'] * 1e3:7.0f} ms  "
                       f"TPOT {row['tpot_median_s'] * 1e3:6.1f} / {row['tpot_p90_s'] * 1e3:6.1f} ms", flush=True)
         finally:
             proc.terminate()
             proc.wait(120)
+    # each figure's median over the processes (a process's speed moves with the VM's spell: the methods alternate)
+    results = {m: [dict({k: statistics.median(r[k] for r in rows) for k in rows[0]}, runs=rows)
+                   for rows in by_level.values()] for m, by_level in runs.items()}
     if "ar" in results and "ddtree" in results:
-        for a, d in zip(results["ar"], results["ddtree"]):
-            print(f"c={a['concurrency']:>3}: DDTree / AR output tokens/s = "
-                  f"{d['output_tokens_per_s'] / a['output_tokens_per_s']:.2f}x")
+        for c in levels:
+            pairs = zip(runs["ar"][c], runs["ddtree"][c])
+            ratios = [d["output_tokens_per_s"] / a["output_tokens_per_s"] for a, d in pairs]
+            print(f"c={c:>3}: DDTree / AR output tokens/s = {statistics.median(ratios):.2f}x "
+                  f"({', '.join(f'{r:.2f}' for r in ratios)})")
     if args.json:
         settings = {k: v for k, v in vars(args).items() if k != "json"}  # where it was written is no setting
-        Path(args.json).write_text(json.dumps(dict(args=settings, results=results), indent=2))
+        Path(args.json).write_text(json.dumps(dict(args=settings, budget_auto=choices, results=results), indent=2))
 
 
 if __name__ == "__main__":
