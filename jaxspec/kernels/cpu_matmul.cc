@@ -492,7 +492,7 @@ inline __m512 tile_vector(const Dense& p, int64_t at) {
 }
 
 template <int R, bool BF16>
-void kt_tile(const Dense& p, int64_t j0, int64_t m0) {
+void kt_tile(const Dense& p, int64_t j0, int64_t m0, int64_t g, int64_t G, bool ahead) {
   constexpr int C = kTile / 16;
   constexpr int64_t bytes = BF16 ? 2 : 4;
   __m512 acc[R][C];
@@ -500,11 +500,20 @@ void kt_tile(const Dense& p, int64_t j0, int64_t m0) {
   for (int i = 0; i < R * C; ++i) acc[i / C][i % C] = _mm512_setzero_ps();
   int64_t at = (j0 / kTile) * p.K * kTile;  // element offset of the tile's row k
   const char* base = BF16 ? reinterpret_cast<const char*>(p.wh) : reinterpret_cast<const char*>(p.w);
+  // G > 0: this is group g of G, each reading the whole tile; it prefetches the g-th share of the next tile into L2
+  // (see kt_rows).
+  const int64_t lo = G > 0 ? p.K * g / G : 0, share = G > 0 ? p.K * (g + 1) / G - lo : 0;
+  const char* next = base + (at + p.K * kTile + lo * kTile) * bytes;
   const float* x = p.x + m0 * p.K;
   for (int64_t k = 0; k < p.K; ++k, at += kTile) {
+    if (ahead)
 #pragma GCC unroll 3
-    for (int c = 0; c < C; ++c)  // 32 rows of the tile ahead (past its end: the next tile's, or unmapped,
-      _mm_prefetch(base + (at + 32 * kTile + 16 * c) * bytes, _MM_HINT_T0);  // which never faults)
+      for (int c = 0; c < C; ++c)  // 32 rows of the tile ahead (past its end: the next tile's, or unmapped,
+        _mm_prefetch(base + (at + 32 * kTile + 16 * c) * bytes, _MM_HINT_T0);  // which never faults)
+    if (G > 0)
+#pragma GCC unroll 3
+      for (int c = 0; c < C; ++c)
+        _mm_prefetch(next + (share * k / p.K * kTile + 16 * c) * bytes, _MM_HINT_T1);
     __m512 wv[C];
 #pragma GCC unroll 3
     for (int c = 0; c < C; ++c) wv[c] = tile_vector<BF16>(p, at + 16 * c);
@@ -524,19 +533,28 @@ void kt_tile(const Dense& p, int64_t j0, int64_t m0) {
 }
 
 template <int R = 9>  // kt_tile<r> for 1 <= r <= 9 input rows
-void kt_tile_rows(const Dense& p, int64_t j0, int64_t m0, int64_t r) {
+void kt_tile_rows(const Dense& p, int64_t j0, int64_t m0, int64_t r, int64_t g, int64_t G, bool ahead) {
   if constexpr (R > 1)
-    if (r < R) return kt_tile_rows<R - 1>(p, j0, m0, r);
-  p.wh ? kt_tile<R, true>(p, j0, m0) : kt_tile<R, false>(p, j0, m0);
+    if (r < R) return kt_tile_rows<R - 1>(p, j0, m0, r, g, G, ahead);
+  p.wh ? kt_tile<R, true>(p, j0, m0, g, G, ahead) : kt_tile<R, false>(p, j0, m0, g, G, ahead);
 }
 
-// n0: a multiple of kTile. Input rows go in groups of at most 9, as even as their count allows.
+// n0: a multiple of kTile. Input rows go in groups of at most 9, as even as their count allows, each group reading
+// the whole tile. One group prefetches ahead in its own tile. With several, later groups reread the tile from L2
+// while memory would stand idle, so where a tile fits in L2 beside the next one (kStreamTile), each group
+// prefetches its share of the next tile instead (the last tile's: the first of the range after it, another
+// thread's or the next weight's) and only the first tile's first group prefetches in its own (nothing fetched
+// that tile before). A 4-row verify at budget 2 (12 rows, two groups) gains most
+// (docs/benchmarks/cpu.md, "The next tile streams while later row groups compute").
+constexpr int64_t kStreamTile = 384 << 10;  // bytes: two tiles in a 1 MB L2 (Zen 4, Skylake-SP; more elsewhere)
+
 void kt_rows(const Dense& p, int64_t n0, int64_t n1) {
   const int64_t groups = (p.M + 8) / 9;
+  const bool stream = groups > 1 && p.K * kTile * (p.wh ? 2 : 4) <= kStreamTile;
   for (int64_t j = n0; j < n1; j += kTile)
     for (int64_t g = 0, m = 0; g < groups; ++g) {
       const int64_t r = (p.M - m + groups - g - 1) / (groups - g);
-      kt_tile_rows(p, j, m, r);
+      kt_tile_rows(p, j, m, r, g, stream ? groups : 0, !stream || (j == n0 && g == 0));
       m += r;
     }
 }
