@@ -68,6 +68,8 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed AR / DDTree pairs per batch size (medians)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1 (timed pairs per batch size), got {args.repeats}")
     batches = [int(b) for b in args.batches.split(",")]
     budget = args.budget if args.budget == "auto" else int(args.budget)
 

@@ -106,16 +106,20 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=1, help="server processes per method, alternating (medians)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1 (server processes per method), got {args.repeats}")
     levels = [int(c) for c in args.concurrency.split(",")]
     heldout = read_prompts("heldout")
     prompts = [heldout[i % len(heldout)] for i in range(args.requests)]
     runs, reference, choices = {}, None, {}  # runs[method][concurrency]: one row per server process
+    logs = tempfile.TemporaryDirectory(prefix="jaxspec-serve-bench-")
     for rep, method in ((r, m) for r in range(args.repeats) for m in args.methods.split(",")):
-        log = Path(tempfile.mkdtemp(prefix="jaxspec-serve-bench-")) / f"{method}.log"
+        log = Path(logs.name) / f"{method}-{rep}.log"
         proc, url = start_server(method, args, log)
-        choices[method] = next((ln for ln in log.read_text().splitlines() if ln.startswith("budget auto:")), None)
-        if choices[method] and rep == 0:
-            print(f"{method:>6}  {choices[method]}", flush=True)
+        choice = next((ln for ln in log.read_text().splitlines() if ln.startswith("budget auto:")), None)
+        if choice:  # each process chooses from the cost table as it stands then
+            choices.setdefault(method, []).append(choice)
+            print(f"{method:>6}  {choice}", flush=True)
         try:
             for c in levels:
                 level(url, prompts, c, args.max_tokens)  # compiles what this level needs
@@ -130,6 +134,7 @@ def main(argv=None) -> None:
         finally:
             proc.terminate()
             proc.wait(120)
+    logs.cleanup()
     # each figure's median over the processes (a process's speed moves with the VM's spell: the methods alternate)
     results = {m: [dict({k: statistics.median(r[k] for r in rows) for k in rows[0]}, runs=rows)
                    for rows in by_level.values()] for m, by_level in runs.items()}
