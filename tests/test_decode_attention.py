@@ -1,6 +1,7 @@
 """Flash decoding over a KV cache's committed slots: the Mosaic GPU kernel under JAX's Mosaic GPU interpreter vs
-the reference, the reference vs a naive masked softmax, reads confined to the used blocks, the CUDA lowering,
-and the log-sum-exp merge with a second block.
+the reference (with a separate v, and with v=None: values from k's first columns, MLA's latent), the reference vs a
+naive masked softmax, reads confined to the used blocks, the CUDA lowering, and the log-sum-exp merge with a second
+block.
 
 lo/hi are traced, so one compile per shape serves every range; shapes are tiny because the interpreter runs each
 CTA's TMA copies, barriers and wgmma's as host callbacks.
@@ -89,6 +90,28 @@ def test_kernel_variants_match_reference(dtype, D, Dv, block_kv, num_splits):
         assert_matches(o, lse, *want, np.asarray(lo), np.asarray(hi))
 
 
+@needs_interpreter
+@pytest.mark.parametrize("D,Dv,R,num_splits", [
+    (576, 512, 70, 1),  # MLA's latent: two value chunks of 256 and the 64 rope columns; two query tiles
+    (576, 512, 5, 3),  # the same split three ways
+    (192, 128, 6, 2),  # one value chunk and a 64-wide tail
+    (128, None, 6, 1),  # value_dim left out: the values are all of k, one chunk and no tail
+])
+def test_latent_kernel_matches_reference(D, Dv, R, num_splits):
+    """v=None: the values are k[..., :Dv], read from k's buffer. The kernel is checked against the reference given
+    that slice as a separate v (the form the tests above check), which the reference's v=None form must equal."""
+    q, k, _ = random_qkv(D + R, K=1, R=R, D=D)
+    kernel = interpreted(value_dim=Dv, num_splits=num_splits)
+    for pairs in RANGES[:3]:
+        lo, hi = lohi(pairs)
+        want = flash_decode_reference(q, k, k[..., :Dv], lo, hi, scale=SCALE)
+        for got, expected in zip(flash_decode_reference(q, k, None, lo, hi, scale=SCALE, value_dim=Dv), want):
+            np.testing.assert_array_equal(got, expected)
+        o, lse = kernel(q, k, None, lo, hi)
+        assert o.shape == (2, 1, R, Dv or D) and lse.shape == (2, 1, R)
+        assert_matches(o, lse, *want, np.asarray(lo), np.asarray(hi))
+
+
 def naive(q, k, v, mask, scale, softcap=None):
     """Masked softmax over every slot of the buffer: mask [B, T'] of visible slots."""
     s = jnp.einsum("bkrd,bktd->bkrt", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
@@ -112,48 +135,63 @@ def test_reference_matches_naive_softmax(softcap):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_kernel_reads_only_the_blocks_in_range(num_splits):
+@pytest.mark.parametrize("num_splits,D,value_dim", [(1, 64, None), (3, 64, None), (2, 576, 512)])
+def test_kernel_reads_only_the_blocks_in_range(num_splits, D, value_dim):
     """K and V are NaN in every block that does not overlap [lo, hi): a kernel that read one would return NaN even
     with masking, since a masked score's probability 0 times a NaN value is NaN (tried: looping over all blocks
-    fails here). Partial edge blocks keep finite values outside the range, as a cache's stale slots do."""
+    fails here, with a separate v and with v=None). Partial edge blocks keep finite values outside the range, as a
+    cache's stale slots do. With value_dim (v=None, MLA's latent) the values are K's own first columns."""
     bk, Tn = 64, 512
-    q, k, v = random_qkv(3, B=3, R=6, T=Tn)
+    q, k, v = random_qkv(3, B=3, K=1 if value_dim else 2, R=6, D=D, T=Tn)
+    if value_dim:
+        v = k[..., :value_dim]
     lo, hi = jnp.array([70, 300, 200], jnp.int32), jnp.array([200, 301, 200], jnp.int32)  # blocks 1-3, 4, none
     t = np.arange(Tn)
     first, last = np.asarray(lo) // bk * bk, np.where(hi > lo, -(-np.asarray(hi) // bk) * bk, 0)
     used = jnp.asarray((t >= first[:, None]) & (t < last[:, None]))[:, None, :, None]  # [B, 1, T, 1]
-    o, lse = interpreted(block_kv=bk, num_splits=num_splits)(
-        q, jnp.where(used, k, jnp.nan), jnp.where(used, v, jnp.nan), lo, hi)
+    o, lse = interpreted(block_kv=bk, num_splits=num_splits, value_dim=value_dim)(
+        q, jnp.where(used, k, jnp.nan), None if value_dim else jnp.where(used, v, jnp.nan), lo, hi)
     assert_matches(o, lse, *flash_decode_reference(q, k, v, lo, hi, scale=SCALE), np.asarray(lo), np.asarray(hi))
 
 
-@pytest.mark.parametrize("B,K,R,D,Dv,block_kv,softcap,num_splits", [
-    (2, 8, 16, 128, 128, 128, 50.0, 1),  # GQA group x tree nodes = 16 rows per KV head
-    (1, 2, 70, 64, 64, 64, None, 1),  # two query tiles
-    (2, 1, 8, 256, 256, 64, None, 4),  # the largest head dim the SMEM holds, split four ways
-    (1, 1, 4, 192, 128, 64, None, 1),  # values narrower than keys
+@pytest.mark.parametrize("B,K,R,D,Dv,block_kv,softcap,num_splits,latent", [
+    (2, 8, 16, 128, 128, 128, 50.0, 1, False),  # GQA group x tree nodes = 16 rows per KV head
+    (1, 2, 70, 64, 64, 64, None, 1, False),  # two query tiles
+    (2, 1, 8, 256, 256, 64, None, 4, False),  # the largest head dim the SMEM holds, split four ways
+    (1, 1, 4, 192, 128, 64, None, 1, False),  # values narrower than keys
+    (2, 1, 128, 576, 512, 64, None, 1, True),  # MLA: v=None, values k[..., :512] in two chunks; 1,000 bytes spare
+    (1, 1, 16, 576, 512, 64, None, 8, True),  # ... split eight ways
+    (1, 1, 4, 192, 128, 64, 30.0, 1, True),  # one value chunk and a 64-wide tail
 ])
-def test_kernel_lowers_to_mosaic_gpu(B, K, R, D, Dv, block_kv, softcap, num_splits):
+def test_kernel_lowers_to_mosaic_gpu(B, K, R, D, Dv, block_kv, softcap, num_splits, latent):
     """On this CPU-only machine the GPU kernel is checked by lowering it for CUDA: the whole Pallas -> Mosaic GPU
     lowering runs (wgmma operand shapes and transforms, register layouts, the dynamic loop, the SMEM budget) and
-    yields one Mosaic GPU custom call, no Triton."""
+    yields one Mosaic GPU custom call, no Triton. latent: v=None, the values are k's first Dv columns."""
     Tn = 1024
     args = (jax.ShapeDtypeStruct((B, K, R, D), jnp.bfloat16), jax.ShapeDtypeStruct((B, K, Tn, D), jnp.bfloat16),
-            jax.ShapeDtypeStruct((B, K, Tn, Dv), jnp.bfloat16), jax.ShapeDtypeStruct((B,), jnp.int32),
-            jax.ShapeDtypeStruct((B,), jnp.int32))
+            None if latent else jax.ShapeDtypeStruct((B, K, Tn, Dv), jnp.bfloat16),
+            jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32))
     fn = jax.jit(lambda q, k, v, lo, hi: flash_decode(q, k, v, lo, hi, scale=D ** -0.5, softcap=softcap,
-                                                      block_kv=block_kv, num_splits=num_splits))
+                                                      block_kv=block_kv, num_splits=num_splits,
+                                                      value_dim=Dv if latent else None))
     text = jax.export.export(fn, platforms=("cuda",))(*args).mlir_module()
     calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
     assert len(calls) == 1 and "@mosaic_gpu" in calls[0] and "triton" not in text
 
 
-def test_lowering_refuses_more_smem_than_a_cta_has():
-    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((1, 1, 8, 256), (1, 1, 512, 256), (1, 1, 512, 256))]
-    fn = jax.jit(lambda q, k, v, lo, hi: flash_decode(q, k, v, lo, hi, scale=1.0, block_kv=128))
+@pytest.mark.parametrize("D,Dv,block_kv,latent", [
+    (256, 256, 128, False),  # 256 lowers with block_kv = 64 (above)
+    (640, 512, 64, True),  # the next key width past MLA's 576, which lowers (above)
+    (576, 512, 128, True),
+])
+def test_lowering_refuses_more_smem_than_a_cta_has(D, Dv, block_kv, latent):
+    """The docstring's budget: the lowering, not a check of ours, refuses a kernel whose SMEM passes 227 KiB."""
+    q, k, v = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((1, 1, 8, D), (1, 1, 512, D), (1, 1, 512, Dv)))
+    fn = jax.jit(lambda q, k, v, lo, hi: flash_decode(q, k, v, lo, hi, scale=1.0, block_kv=block_kv,
+                                                      value_dim=Dv if latent else None))
     with pytest.raises(ValueError, match="shared memory"):
-        jax.export.export(fn, platforms=("cuda",))(*args, *[jax.ShapeDtypeStruct((1,), jnp.int32)] * 2)
+        jax.export.export(fn, platforms=("cuda",))(q, k, None if latent else v,
+                                                    *[jax.ShapeDtypeStruct((1,), jnp.int32)] * 2)
 
 
 @pytest.mark.parametrize("dtype,D,Dv,block_kv,match", [
@@ -166,6 +204,21 @@ def test_kernel_refuses_shapes_it_cannot_run(dtype, D, Dv, block_kv, match):
     q, k, v = (jnp.zeros(s, dtype) for s in ((1, 1, 4, D), (1, 1, 192, D), (1, 1, 192, Dv)))
     with pytest.raises(ValueError, match=match):
         jax.eval_shape(lambda *a: flash_decode(*a, scale=1.0, block_kv=block_kv), q, k, v,
+                       jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32))
+
+
+@pytest.mark.parametrize("D,value_dim,with_v,match", [
+    (576, 500, False, "multiples of 64"),
+    (576, 640, False, "value_dim <= D"),  # more value columns than the key has
+    (576, 0, False, "64 <= value_dim"),
+    (96, 64, False, "multiples of 64"),  # the key width too
+    (192, 128, True, "needs v=None"),  # value_dim picks k's columns; a separate v would be ignored
+])
+def test_kernel_refuses_bad_value_dim(D, value_dim, with_v, match):
+    q, k = jnp.zeros((1, 1, 4, D), jnp.bfloat16), jnp.zeros((1, 1, 192, D), jnp.bfloat16)
+    v = jnp.zeros((1, 1, 192, 128), jnp.bfloat16) if with_v else None
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(lambda q, k, v, lo, hi: flash_decode(q, k, v, lo, hi, scale=1.0, value_dim=value_dim), q, k, v,
                        jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32))
 
 
