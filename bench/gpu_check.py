@@ -2,8 +2,9 @@
 Llama and Qwen3.6-27B (hybrid GDN), bf16, on one GPU (an H100 80 GB holds the 27B's 54 GB), in one run:
 
   * HBM bandwidth (a 4 GiB bf16 copy and a 4 GiB read), the roofline every time below is compared with;
-  * the KV and latent commit kernels (Pallas, Mosaic GPU) against their XLA references, and the flash-decoding
-    kernel (Mosaic GPU) against the blocked loop it replaced (turned off for the targets should it fail);
+  * the KV and latent commit kernels (Pallas, Mosaic GPU) against their XLA references, the flash-decoding
+    kernel (Mosaic GPU; over a KV cache and over MLA's 576-wide latents) against the blocked loop it replaced, and
+    JAX's grouped matmul for MoE experts against lax.ragged_dot (each turned off for the targets should it fail);
   * per target, the 8B first: one AR step and one tree verify (budgets 64, then 16 / 128 / 32) behind 500
     committed tokens, in a tight buffer (768 slots) and a realistic one (32k slots), since attention reads the
     whole buffer; the roofline of an AR step is the bytes it reads (the weights but the embedding table's unread
@@ -22,6 +23,7 @@ $OUT is set, else bench/results/).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -44,7 +46,7 @@ from jaxspec.kernels import gpu, use
 from jaxspec.models.attention import cache_mask
 from jaxspec.models.qwen3_next import hybrid_config_from_dict
 from jaxspec.segment import Segment
-from jaxspec.testing import oracle_drafter
+from jaxspec.testing import interpreted_grouped_matmul, oracle_drafter
 from jaxspec.tree import build_tree, tree_segment
 from pallas_kernels.kv_commit import kv_commit, latent_commit
 
@@ -82,10 +84,14 @@ class Plan:
     batches: tuple[int, ...] = (4, 16)  # batched AR step and verify (B rows x (1 + batch_budget) nodes), last
     batch_budget: int = 16
     attention: tuple[int, int, int] = (24, 4, 256)  # the flash-decoding check's heads, KV heads, head_dim: Qwen3.6's
+    latent: tuple[int, int, int] = (128, 576, 512)  # and over MLA's latents: heads, width, value width (DeepSeek-V3)
+    grouped: tuple[int, int, int, int] = (8192, 7168, 2048, 32)  # grouped matmul: pairs, in, out, experts (a 1k
+    # prefill chunk's gate projection on one of 8 expert-parallel devices of DeepSeek-V3)
 
 
 DRY = Plan(dtype="float32", long=1024, reps=2, bandwidth_elems=1 << 20, commit_slots=512, new_tokens=24,
-           more_budgets=(16,), batches=(2,), batch_budget=8, attention=(4, 2, 64))
+           more_budgets=(16,), batches=(2,), batch_budget=8, attention=(4, 2, 64), latent=(4, 192, 128),
+           grouped=(150, 128, 256, 6))
 
 
 class Interrupted(BaseException):
@@ -233,12 +239,57 @@ def decode_kernel(out: dict, plan: Plan) -> None:
                 row[f"{name}_us"] = float("nan") if gpu.INTERPRET else timed(f, *args, reps=plan.reps)[0] * 1e6
             if not row["max_abs_diff"] < 0.05:  # bf16 probabilities: a few 1e-3 apart at most
                 raise RuntimeError(f"the kernel differs from the blocked loop by {row['max_abs_diff']:.3g}")
+        H, C, r = plan.latent  # MLA: the kernel's v=None form over the latents, values their first r columns
+        for N in (1, 65):
+            ks = jax.random.split(jax.random.key(N + 1), 2)
+            q = jax.random.normal(ks[0], (1, N, H, C), jnp.bfloat16)
+            latent = jax.random.normal(ks[1], (1, T, C), jnp.bfloat16)
+            length, start = jnp.full((1,), used, jnp.int32), jnp.zeros((1,), jnp.int32)
+            mask, _ = cache_mask(used + jnp.arange(N)[None], length, start, jnp.tril(jnp.ones((1, N, N), bool)), T)
+            fns = {"kernel": jax.jit(lambda q, latent, mask: gpu.latent_attention(q, latent, mask, C ** -0.5, r,
+                                                                                 length)),
+                   "blocked": jax.jit(lambda q, latent, mask: gpu.latent_attention(q, latent, mask, C ** -0.5, r))}
+            got, want = (np.asarray(f(q, latent, mask), np.float32) for f in fns.values())
+            row = dict(latent=C, query_rows=H * N, slots=T, used=used, max_abs_diff=float(np.abs(got - want).max()))
+            rows.append(row)
+            for name, f in fns.items():
+                row[f"{name}_us"] = (float("nan") if gpu.INTERPRET else
+                                     timed(f, q, latent, mask, reps=plan.reps)[0] * 1e6)
+            if not row["max_abs_diff"] < 0.05:
+                raise RuntimeError(f"the latent kernel differs from the blocked loop by {row['max_abs_diff']:.3g}")
     except Exception:
         gpu.FLASH_DECODE = False
         out["turned_off"] = True
         raise
     finally:
         gpu.INTERPRET = False
+
+
+def grouped_matmul(out: dict, plan: Plan) -> None:
+    """JAX's Hopper grouped matmul, which GPU programs run MoE experts' grouped products with (gpu.ragged_dot),
+    against lax.ragged_dot (which XLA's GPU compiler turns into a product over every group), in bf16 with group
+    sizes as uneven as a router's. Turned off (gpu.GROUPED_MATMUL) should it fail or disagree. The dry run (a CPU)
+    interprets it."""
+    M, K, N, G = plan.grouped
+    sizes = np.random.default_rng(0).multinomial(M, np.random.default_rng(1).dirichlet(np.ones(G)))
+    sizes = jnp.asarray(sizes, jnp.int32)
+    ks = jax.random.split(jax.random.key(0), 2)
+    x = jax.random.normal(ks[0], (M, K), jnp.bfloat16)
+    w = jax.random.normal(ks[1], (G, K, N), jnp.bfloat16) * K ** -0.5
+    interpreted = jax.default_backend() == "cpu"
+    try:
+        with interpreted_grouped_matmul() if interpreted else contextlib.nullcontext():
+            fns = {"kernel": jax.jit(gpu.ragged_dot), "xla": jax.jit(jax.lax.ragged_dot)}
+            got, want = (np.asarray(f(x, w, sizes), np.float32) for f in fns.values())
+        out.update(pairs=M, inputs=K, outputs=N, groups=G, max_abs_diff=float(np.abs(got - want).max()))
+        for name, f in fns.items():
+            out[f"{name}_us"] = float("nan") if interpreted else timed(f, x, w, sizes, reps=plan.reps)[0] * 1e6
+        if not out["max_abs_diff"] < 0.1:  # bf16 outputs of about unit size
+            raise RuntimeError(f"the grouped matmul differs from lax.ragged_dot by {out['max_abs_diff']:.3g}")
+    except Exception:
+        gpu.GROUPED_MATMUL = False
+        out["turned_off"] = True
+        raise
 
 
 # ------------------------------------------------------------------------------------------ targets
@@ -468,8 +519,14 @@ def summary(report: dict) -> None:
         print(f"\nHBM: copy {bw['copy_gb_per_s']:.0f} GB/s, read {bw['read_gb_per_s']:.0f} GB/s")
     for row in s.get("decode_kernel", {}).get("rows", []):
         kernel, blocked = row.get("kernel_us", float("nan")), row.get("blocked_us", float("nan"))
-        print(f"flash decode, {row['query_rows']} query rows over {row['used']} of {row['slots']} slots: kernel "
-              f"{kernel:.1f} us, blocked loop {blocked:.1f} us, max diff {row['max_abs_diff']:.2g}")
+        what = f"latents of {row['latent']}, " if "latent" in row else ""
+        print(f"flash decode, {what}{row['query_rows']} query rows over {row['used']} of {row['slots']} slots: "
+              f"kernel {kernel:.1f} us, blocked loop {blocked:.1f} us, max diff {row['max_abs_diff']:.2g}")
+    g = s.get("grouped_matmul", {})
+    if "max_abs_diff" in g:
+        print(f"grouped matmul, {g['pairs']} pairs x {g['inputs']} -> {g['outputs']} over {g['groups']} groups: "
+              f"kernel {g.get('kernel_us', float('nan')):.1f} us, lax.ragged_dot {g.get('xla_us', float('nan')):.1f} "
+              f"us, max diff {g['max_abs_diff']:.2g}")
     for row in s.get("commit_kernels", {}).get("rows", []):
         print(f"commit {row['cache']} T={row['T']}: xla {row.get('xla_us', float('nan')):.1f} us, "
               f"pallas {row.get('pallas_us', float('nan')):.1f} us, same {row.get('same_as_xla')}")
@@ -531,6 +588,7 @@ def main():
         report.section(sections, "bandwidth", bandwidth, plan, need_s=10, clock=clock)
         report.section(sections, "commit_kernels", commits, plan, need_s=20, clock=clock)
         report.section(sections, "decode_kernel", decode_kernel, plan, need_s=20, clock=clock)
+        report.section(sections, "grouped_matmul", grouped_matmul, plan, need_s=20, clock=clock)
         for i, (name, base) in enumerate(TARGETS):
             share = clock.share(0.4 if i < len(TARGETS) - 1 else 1.0)  # the 8B must leave the 27B its time
             report.section(sections, name, target, report, base, args, plan, share, need_s=30, clock=share)

@@ -165,10 +165,13 @@ def _split_tp(mesh, dp: int, kv: int, rep: int):
 
 def on_one_device(*arrays) -> bool:
     """Whether none of `arrays` (traced, inside jit) is split over a mesh of several devices: a custom call may
-    take them (the partitioner cannot split a custom call; it would gather whole operands onto every device)."""
+    take them (the partitioner cannot split a custom call; it would gather whole operands onto every device).
+    Inside a shard_map, the axes it made manual split nothing: each device holds its own block."""
     for x in arrays:
         mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-        if mesh is not None and not mesh.empty and mesh.size > 1:
+        if mesh is None or mesh.empty:
+            continue
+        if math.prod(n for n, t in zip(mesh.axis_sizes, mesh.axis_types, strict=True) if t != AxisType.Manual) > 1:
             return False
     return True
 

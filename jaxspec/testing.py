@@ -1,4 +1,5 @@
-"""Test helpers: an oracle drafter that proposes the target's own greedy future.
+"""Test helpers: an oracle drafter that proposes the target's own greedy future (and, at the end, the GPU path's
+grouped-matmul kernel under JAX's interpreter).
 
 Random tiny models never agree with a random drafter, so lossless tests would only ever exercise
 "accept nothing". The oracle knows the target's greedy continuation (`reference`: prompt + AR greedy
@@ -11,6 +12,9 @@ DFlash drafter: `draft_logits`, `init_cache`, `append_context`.
 """
 from __future__ import annotations
 
+import contextlib
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +23,9 @@ from flax import nnx
 from jaxspec.cache import Cache
 from jaxspec.config import DrafterConfig
 from jaxspec.drafter import Drafter
+from jaxspec.kernels import gpu
 from jaxspec.model import Model
+from pallas_kernels.kv_commit import GPU_INTERPRET
 
 
 class OracleDrafter(nnx.Module):
@@ -56,6 +62,18 @@ class OracleDrafter(nnx.Module):
         return logits.at[jnp.arange(D), right].set(10.0)[:depth]
 
 
+# DeepSeek-V3's config.json fields that shape it (61 layers, the first 3 dense, 256 routed experts): lowering
+# checks and memory benches take its widths and truncate its depth and experts
+DEEPSEEK_V3 = dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                   moe_intermediate_size=2048, num_hidden_layers=61, first_k_dense_replace=3, num_attention_heads=128,
+                   num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                   qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, n_shared_experts=1,
+                   num_experts_per_tok=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
+                   max_position_embeddings=163840,
+                   rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                                    "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "mscale": 1.0, "mscale_all_dim": 1.0})
+
 def oracle_drafter(model: Model, reference, *, noise: float = 0.0, max_rank: int = 3, block_size: int = 16,
                    seed: int = 0) -> Drafter:
     """A Drafter whose proposals are `reference` (prompt + the target's greedy output), with noise. reference: one
@@ -69,3 +87,19 @@ def oracle_drafter(model: Model, reference, *, noise: float = 0.0, max_rank: int
                         vocab_size=t.vocab_size, block_size=block_size, mask_token_id=0, target_layer_ids=(0,),
                         num_target_layers=t.num_layers)
     return Drafter.from_module(OracleDrafter(cfg, np.asarray(reference), noise, max_rank, seed), model)
+
+
+@contextlib.contextmanager
+def interpreted_grouped_matmul():
+    """The GPU path's grouped products through JAX's Hopper kernel under the Mosaic GPU interpreter, on a CPU (tests,
+    bench/gpu_check.py's dry run). `ragged_dot_mgpu` takes no `interpret` argument, so its module's `plgpu.kernel`
+    is given one for the duration."""
+    module = gpu.ragged_dot_mgpu
+    real, was = module.plgpu, gpu.INTERPRET
+    shim = types.SimpleNamespace(**{n: getattr(real, n) for n in dir(real) if not n.startswith("__")})
+    shim.kernel = lambda *a, **kw: real.kernel(*a, **kw, interpret=GPU_INTERPRET)
+    module.plgpu, gpu.INTERPRET = shim, True
+    try:
+        yield
+    finally:
+        module.plgpu, gpu.INTERPRET = real, was

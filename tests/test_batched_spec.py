@@ -30,8 +30,9 @@ RNG = np.random.RandomState(5)
 PROMPTS = [RNG.randint(0, 128, n).tolist() for n in (13, 5, 29)]  # different lengths: rows' lengths differ
 
 
-def deepseek_target():
-    cfg = deepseek_config_from_dict(DEEPSEEK).replace(absorb_max_tokens=20)  # the 29-token row prefills expanded
+def deepseek_target(absorb_max_tokens: int = 20):
+    # the 29-token row prefills expanded
+    cfg = deepseek_config_from_dict(DEEPSEEK).replace(absorb_max_tokens=absorb_max_tokens)
     m = jaxspec.random_model(cfg, seed=0)
     m.params = jax.tree.map(lambda x: x * 2.5, m.params)
     return m

@@ -54,11 +54,14 @@ def test_dry_run_measures_every_section(dry_run):
     s = report["sections"]
     assert report["dry_run"] and "interrupted" not in report
     assert not no_errors(s), no_errors(s)
-    assert set(s) == {"bandwidth", "commit_kernels", "decode_kernel", *TARGETS}
-    assert list(s)[3:] == list(TARGETS)  # the 8B first
+    assert set(s) == {"bandwidth", "commit_kernels", "decode_kernel", "grouped_matmul", *TARGETS}
+    assert list(s)[4:] == list(TARGETS)  # the 8B first
     rows = s["decode_kernel"]["rows"]  # the flash-decoding kernel (interpreted here) beside the blocked loop
-    assert [r["query_rows"] for r in rows] == [2, 130] and all(r["max_abs_diff"] < 0.05 for r in rows)
+    assert [r["query_rows"] for r in rows] == [2, 130, 4, 260] and all(r["max_abs_diff"] < 0.05 for r in rows)
+    assert [r.get("latent") for r in rows] == [None, None, 192, 192]  # over a KV cache, then MLA's latents
     assert "turned_off" not in s["decode_kernel"]
+    g = s["grouped_matmul"]  # JAX's grouped matmul (interpreted) beside lax.ragged_dot
+    assert g["status"] == "ok" and g["max_abs_diff"] < 0.1 and "turned_off" not in g, g
     assert all(positive(s["bandwidth"][k]) for k in ("copy_gb_per_s", "read_gb_per_s", "gb_per_s"))
     for row in s["commit_kernels"]["rows"]:
         assert row["same_as_xla"] and positive(row["xla_us"]) and positive(row["pallas_us"])

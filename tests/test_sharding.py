@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import jaxspec
 from compiles import compiles, engine_compiles
 from jaxspec import engine
-from jaxspec.cache import KVEntry
+from jaxspec.cache import KVEntry, LatentEntry
 from jaxspec.config import dense_config_from_dict
 from jaxspec.decoder import Decoder, live_rows
 from jaxspec.kernels import gpu, xla
@@ -336,6 +336,47 @@ def test_flash_decoding_kernel_per_device(kernel_per_device, tp, dp, KVH, rows, 
     want = xla.cache_attention(*(x.astype(jnp.float32) for x in (q, k_old, v_old, k_new, v_new)), length, mask, 0.125)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2, rtol=0)
     assert set(kernel_per_device) == ({((rows, 1, group * N, D), (rows, 1, T, D))} if rows else set())
+
+
+@pytest.mark.parametrize("tp,dp,rows,heads", [(8, 1, 2, 2), (4, 2, 1, 4)])
+def test_latent_kernel_per_device(kernel_per_device, tp, dp, rows, heads):
+    """MLA's committed latents on a mesh: the kernel (its v=None form) once per device, over the device's rows and
+    query heads and the whole latent buffer of its rows (one key shared by every head, replicated over tp), merged
+    with the tree's latents: the reference's output."""
+    mesh = jaxspec.make_mesh(tp=tp, dp=dp)
+    layout = Layout.of("deepseek", mesh)
+    B, N, H, T, C, r = 2, 9, 16, 256, 192, 128
+    length, mask = __import__("test_kernels_gpu").case(B, N, T, [200, 64], [0, 3], tree=True)
+    ks = jax.random.split(jax.random.key(5), 2)
+    q = jax.random.normal(ks[0], (B, N, H, C), jnp.float16)
+    latent = jax.random.normal(ks[1], (B, T, C), jnp.float16)
+    args = (jax.device_put(q, layout.sharding(("batch", "seq", "q_heads", "latent"), q.shape)),
+            jax.device_put(latent, layout.sharding(LatentEntry.AXES["latent"], latent.shape)), mask)
+    got = jax.jit(lambda q, latent, mask: gpu.latent_attention(q, latent, mask, 0.1, r, length))(*args)
+    want = xla.latent_attention(q.astype(jnp.float32), latent.astype(jnp.float32), mask, 0.1, r)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=2e-2, rtol=0)
+    assert set(kernel_per_device) == {((rows, 1, heads * N, C), (rows, 1, T, C))}
+
+
+def test_sharded_gpu_path_lowers_mla_and_experts_per_device():
+    """The `cuda` lowering of a tp = 8 AR step and DDTree loop of a DeepSeek-V3-shaped target (its 128 heads and
+    576-wide latents, narrower elsewhere; bf16): each device reads its rows' latents with the flash-decoding kernel for
+    its 16 query heads, and a verify's 72 (token, expert) pairs run the grouped-matmul kernel on each device's 2
+    experts (an AR step's 8 pairs gather theirs)."""
+    cfg = deepseek_config_from_dict(dict(
+        BASE, model_type="deepseek_v3", hidden_size=1024, intermediate_size=512, moe_intermediate_size=256,
+        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=128, num_key_value_heads=128,
+        q_lora_rank=256, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        n_routed_experts=16, num_experts_per_tok=8, n_group=8, topk_group=4))
+    m = jaxspec.random_model(cfg, dtype=jnp.bfloat16, kernels="gpu").on_mesh(jaxspec.make_mesh(tp=8))
+    texts = tp8_loops(m, 256, lambda f, *a, **k: jax.export.export(f, platforms=("cuda",))(*a, **k).mlir_module())
+    for name, rows, grouped in (("ar", 16, 0), ("verify", 144, 3)):  # 16 heads per device, 1 or 9 tokens
+        text = texts[name]
+        assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1 + grouped, name
+        assert "chlo.ragged_dot" not in text
+        operands = re.findall(r"func.func private @flash_decode\w*\(%arg0: (tensor<\S+>) [^,]*, %arg1: (tensor<\S+>)",
+                              text)
+        assert operands == [(f"tensor<1x1x{rows}x576xbf16>", "tensor<1x1x256x576xbf16>")], operands
 
 
 def test_flash_decoding_kernel_per_device_moves_no_cache(kernel_per_device):

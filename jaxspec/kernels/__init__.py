@@ -8,6 +8,8 @@ Model code never asks which machine it is on. It calls
     attention(q, k, v, ...)  attention over a whole KV buffer with a mask (prefill, shared-KV layers)
     cache_attention(q, ...)  the attention of this forward's tokens over a KV cache and themselves
     latent_attention(q, ...) MLA's absorbed attention over a latent cache (one shared key and value)
+    expanded_latent_attention(q, ...)  MLA's expanded form: per-head keys and values up-projected per slot
+    ragged_dot(x, w, sizes)  a grouped product: the rows of each group times its own matrix (MoE experts)
     argmax(logits)           the greedy token
 
 each defined by its pure-JAX reference in `xla.py`. A backend implements some of them and leaves the rest
@@ -16,8 +18,9 @@ to the reference:
     "xla"  the references themselves: any platform, a sharded model on a CPU, a lowering for another platform.
     "cpu"  native kernels for XLA:CPU through the FFI (`cpu.py`, `cpu_matmul.cc`); a product that it cannot
            take (too many rows, another dtype) runs the reference.
-    "gpu"  attention that reads only the cache slots in use (`gpu.py`: blocked loops with an online softmax);
-           the rest as the references. Pure JAX, so it runs (and is tested) on a CPU too.
+    "gpu"  attention that reads only the cache slots in use (`gpu.py`: blocked loops with an online softmax, and
+           Mosaic GPU kernels for a committed prefix and for grouped products in a `cuda` program); the rest as
+           the references. Its CPU side is pure JAX, so it runs (and is tested) on a CPU too.
 
 The choice is made once per handle (`resolve`, at `jaxspec.load`: "auto" picks "cpu" on one CPU device where
 the kernels build, "gpu" on a GPU, "xla" anywhere else or when asked) and the engine traces each program under
@@ -130,8 +133,8 @@ def packed_matmul(x: jax.Array, codes, scale, offset=None) -> jax.Array:
     return y.reshape(*x.shape[:-1], codes.shape[0])
 
 
-def _attention_op(ref, fast, on_cpu, *args):
-    """An attention op on the current backend: the reference ("xla"), the GPU path ("gpu"), or on "cpu" what
+def _backend_op(ref, fast, on_cpu, *args):
+    """An op on the current backend: the reference ("xla"), the GPU path ("gpu"), or on "cpu" what
     runs on a CPU (`on_cpu`) with the GPU path for any other platform a program is lowered for."""
     backend = current()
     if backend == "xla":
@@ -144,14 +147,24 @@ def _attention_op(ref, fast, on_cpu, *args):
 def attention(q, k, v, mask, scale: float, softcap: float | None = None):
     """q [B, N, H, D] over k, v [B, KVH, T, D] where mask [B, N, T] -> [B, N, H, D] (see xla.attention)."""
     ref = functools.partial(xla.attention, scale=scale, softcap=softcap)
-    return _attention_op(ref, functools.partial(gpu.attention, scale=scale, softcap=softcap), ref, q, k, v, mask)
+    return _backend_op(ref, functools.partial(gpu.attention, scale=scale, softcap=softcap), ref, q, k, v, mask)
 
 
-def latent_attention(q, latent, mask, scale: float, value_dim: int):
-    """q [B, N, H, C] over a latent cache [B, T, C] -> [B, H, N, value_dim] (see xla.latent_attention)."""
+def latent_attention(q, latent, mask, scale: float, value_dim: int, length=None):
+    """q [B, N, H, C] over a latent cache [B, T, C] -> [B, H, N, value_dim] (see xla.latent_attention). length:
+    each row's committed length, where every query sees the same committed slots and this forward's latents sit at
+    length[b] .., which the GPU path's flash-decoding kernel reads alone (gpu.latent_attention)."""
     ref = functools.partial(xla.latent_attention, scale=scale, value_dim=value_dim)
-    return _attention_op(ref, functools.partial(gpu.latent_attention, scale=scale, value_dim=value_dim), ref,
-                         q, latent, mask)
+    fast = functools.partial(gpu.latent_attention, scale=scale, value_dim=value_dim, length=length)
+    return _backend_op(ref, fast, ref, q, latent, mask)
+
+
+def expanded_latent_attention(q, latent, mask, w_kvb, scale: float, nope_dim: int):
+    """q [B, N, H, dn + dr] over a latent cache [B, T, r + dr] expanded through w_kvb [r, H * (dn + dv)] ->
+    [B, N, H, dv] (see xla.expanded_latent_attention)."""
+    ref = functools.partial(xla.expanded_latent_attention, scale=scale, nope_dim=nope_dim)
+    fast = functools.partial(gpu.expanded_latent_attention, scale=scale, nope_dim=nope_dim)
+    return _backend_op(ref, fast, ref, q, latent, mask, w_kvb)
 
 
 def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, softcap: float | None = None,
@@ -165,7 +178,13 @@ def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, s
     def on_cpu(*args):
         return cpu.cache_attention(*args, scale, softcap, ref)
 
-    return _attention_op(ref, fast, on_cpu, q, k_old, v_old, k_new, v_new, length, mask)
+    return _backend_op(ref, fast, on_cpu, q, k_old, v_old, k_new, v_new, length, mask)
+
+
+def ragged_dot(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """x [M, K] with rows in G contiguous groups of sizes [G], group g times w[g] [K, N] -> [M, N] in x's dtype
+    (lax.ragged_dot; rows past the groups' sum: unspecified). The GPU path runs a Mosaic GPU grouped matmul."""
+    return _backend_op(jax.lax.ragged_dot, gpu.ragged_dot, jax.lax.ragged_dot, x, w, sizes)
 
 
 def argmax(logits: jax.Array) -> jax.Array:

@@ -17,6 +17,7 @@ nobody reads.
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import jax
@@ -30,13 +31,21 @@ from pallas_kernels import hopper_or_no_gpu
 from pallas_kernels.decode_attention import flash_decode, flash_decode_reference
 from pallas_kernels.kv_commit import GPU_INTERPRET
 
+try:  # JAX's grouped matmul for Hopper (Mosaic GPU); absent from a JAX that no longer ships it
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+except ImportError:  # pragma: no cover
+    ragged_dot_mgpu = None
+
 BLOCK = 512  # slots per block: [G * N, 512] scores per KV head and row stay in the GPU's caches
 SMS = 132  # an H100's streaming multiprocessors: flash decoding splits a row's blocks until CTAs fill them
 # GPU programs read a ranged cache_attention's committed prefix with the Mosaic GPU kernel unless
 # JAXSPEC_FLASH_DECODE=0: it has not run on a GPU yet, and this keeps a way around it should its compile fail on
 # some card or JAX version (bench/gpu_check.py turns it off by itself when its own check of the kernel fails).
 FLASH_DECODE = os.environ.get("JAXSPEC_FLASH_DECODE", "1") != "0"
-# Tests: the kernel under JAX's interpreter on this CPU too (a CPU program otherwise runs the blocked loop below).
+# GPU programs run MoE's grouped products with JAX's Hopper grouped matmul unless JAXSPEC_GROUPED_MATMUL=0 (the
+# same way around a kernel that has not run on a GPU here; bench/gpu_check.py turns it off should its check fail).
+GROUPED_MATMUL = os.environ.get("JAXSPEC_GROUPED_MATMUL", "1") != "0"
+# Tests: the kernels under JAX's interpreter on this CPU too (a CPU program otherwise runs the XLA forms below).
 INTERPRET = False
 
 
@@ -142,39 +151,56 @@ def shard_specs(q, k):
     return mesh, P(rows, heads, group, None), P(rows, heads, None, None), P(rows)
 
 
-def _flash_prefix(q, qg, k, v, lo, hi, scale, softcap, interpret):
+def _flash_prefix(qg, k, v, lo, hi, specs, scale, softcap, interpret, value_dim=None):
     """The committed prefix [lo[b], hi[b]) through the kernel, as an online-softmax carry: its log-sum-exp is the
     running maximum and its normalised output the values, whose sum is then 1 (an empty row: lse EMPTY_LSE =
-    NEG_INF and output 0, which the next block's larger maximum scales away).
+    NEG_INF and output 0, which the next block's larger maximum scales away). v None: the values are
+    k[..., :value_dim] (MLA's latents).
 
-    On a mesh, each device's shards (`shard_specs`). Under the interpreter (tests on CPU devices) each device runs
-    the kernel's reference instead: the interpreter simulates one GPU memory for every device, and XLA:CPU runs
-    the devices at once, so it cannot interpret the kernel on several."""
-    if on_one_device(qg, k, v):
-        return _flash_local(qg, k, v, lo, hi, scale, softcap, interpret)
-    mesh, q_spec, kv_spec, row_spec = shard_specs(q, k)
-    local = (functools.partial(_flash_local, scale=scale, softcap=softcap, interpret=None) if interpret is None else
-             functools.partial(_reference_local, scale=scale, softcap=softcap))
+    specs: None on one device, else (mesh, specs of qg, of k and v, of lo and hi) for a shard_map that runs the
+    kernel on each device's shards (`shard_specs`, `latent_shard_specs`). Under the interpreter (tests on CPU
+    devices) each device runs the kernel's reference instead: the interpreter simulates one GPU memory for every
+    device, and XLA:CPU runs the devices at once, so it cannot interpret the kernel on several."""
+    kw = dict(scale=scale, softcap=softcap, value_dim=value_dim)
+    if specs is None:
+        return _flash_local(qg, k, v, lo, hi, interpret=interpret, **kw)
+    mesh, q_spec, kv_spec, row_spec = specs
+    local = (functools.partial(_flash_local, interpret=None, **kw) if interpret is None else
+             functools.partial(_reference_local, **kw))
     lse_spec = P(*q_spec[:3])
+    if v is None:  # a shard_map takes no None operand
+        local = functools.partial(lambda f, qg, k, lo, hi: f(qg, k, None, lo, hi), local)
+        return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, row_spec, row_spec),
+                             out_specs=(lse_spec, lse_spec, q_spec), check_vma=False)(qg, k, lo, hi)
     return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, row_spec, row_spec),
                          out_specs=(lse_spec, lse_spec, q_spec), check_vma=False)(qg, k, v, lo, hi)
 
 
-def _flash_local(qg, k, v, lo, hi, scale, softcap, interpret):
-    """`flash_decode` of one device's qg [B, K, R, D] over its k, v [B, K, T, D] -> (lse, 1, o)."""
+def _flash_local(qg, k, v, lo, hi, scale, softcap, interpret, value_dim=None):
+    """`flash_decode` of one device's qg [B, K, R, D] over its k, v [B, K, T, D] (v None: k[..., :value_dim])
+    -> (lse, 1, o)."""
     B, K, R, D = qg.shape
     T = k.shape[2]
-    bk = 128 if D <= 128 and T % 128 == 0 else 64  # the SMEM budget: D = 256 fits 64-slot blocks only
-    tiles = -(-R // 64)
-    splits = max(1, min(SMS // (B * K * tiles), T // bk, 16))  # flash decoding: fill the SMs with one row's blocks
+    Dv = value_dim or (D if v is None else v.shape[-1])
+    bk = 128 if D <= 128 and T % 128 == 0 else 64  # the SMEM budget: D = 256 (and MLA's 576) fit 64-slot blocks only
+    ctas = B * K * -(-R // 64) * -(-Dv // 256)  # (row, head, query tile, value chunk)
+    splits = max(1, min(SMS // ctas, T // bk, 16))  # flash decoding: fill the SMs with one row's blocks
     o, lse = flash_decode(qg, k, v, lo, hi, scale=scale, softcap=softcap, block_kv=bk, num_splits=splits,
-                          interpret=interpret)
+                          value_dim=value_dim, interpret=interpret)
     return lse, jnp.ones_like(lse), o
 
 
-def _reference_local(qg, k, v, lo, hi, scale, softcap):
-    o, lse = flash_decode_reference(qg, k, v, lo, hi, scale=scale, softcap=softcap)
+def _reference_local(qg, k, v, lo, hi, scale, softcap, value_dim=None):
+    o, lse = flash_decode_reference(qg, k, v, lo, hi, scale=scale, softcap=softcap, value_dim=value_dim)
     return lse, jnp.ones_like(lse), o
+
+
+def _committed_range(mask, used):
+    """Row b's committed range [lo[b], used[b]) from mask [B, N, M]: query 0's first set column below used (every
+    query of a ranged forward sees the same committed slots), used itself where it sees none."""
+    T = mask.shape[-1]
+    seen = mask[:, 0, :T] & (jnp.arange(T)[None, :] < used[:, None])  # [B, T]
+    return jnp.where(seen.any(1), jnp.argmax(seen, axis=1), used).astype(jnp.int32)
 
 
 def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, softcap: float | None = None,
@@ -201,10 +227,10 @@ def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, s
                        softcap, valid=lambda slots: (slots[None, :] < used[:, None])[:, None, :])
 
     if ranged and FLASH_DECODE and flash_fits(q, k_old, v_old):
-        seen = mask[:, 0, :T] & (jnp.arange(T)[None, :] < used[:, None])  # [B, T]: row b's committed range
-        lo = jnp.where(seen.any(1), jnp.argmax(seen, axis=1), used).astype(jnp.int32)
-        kernel = lambda *a: _flash_prefix(q, *a, scale, softcap, None)  # noqa: E731
-        here = (lambda *a: _flash_prefix(q, *a, scale, softcap, GPU_INTERPRET)) if INTERPRET else blocked
+        lo = _committed_range(mask[..., :T], used)
+        specs = None if on_one_device(q, k_old, v_old) else shard_specs(q, k_old)
+        kernel = lambda *a: _flash_prefix(*a, specs, scale, softcap, None)  # noqa: E731
+        here = (lambda *a: _flash_prefix(*a, specs, scale, softcap, GPU_INTERPRET)) if INTERPRET else blocked
         carry = lax.platform_dependent(qg, k_old, v_old, lo, used, cuda=kernel, default=here)
     else:
         carry = blocked(qg, k_old, v_old, None, used)
@@ -233,22 +259,142 @@ def attention(q, k, v, mask, scale: float, softcap: float | None = None):
     return _ungroup(acc / tot[..., None], N, H).astype(q.dtype)
 
 
-def latent_attention(q, latent, mask, scale: float, value_dim: int):
+def latent_fits(q, latent, value_dim: int) -> bool:
+    """Whether the flash-decoding kernel's v=None form takes MLA's latents: bf16 / f16 throughout, a latent width
+    that is whole 64-column pieces up to 576 (DeepSeek-V3's; wider passes a CTA's shared memory), a buffer of whole
+    64-slot blocks, on one device or split the way `latent_shard_specs` runs it, on Hopper or a host without a GPU."""
+    C, T = latent.shape[-1], latent.shape[1]
+    return (hopper_or_no_gpu() and q.dtype in (jnp.bfloat16, jnp.float16) and latent.dtype == q.dtype
+            and C % 64 == 0 and C <= 576 and value_dim % 64 == 0 and T % 64 == 0
+            and (on_one_device(q, latent) or latent_shard_specs(q, latent) is not None))
+
+
+def latent_shard_specs(q, latent):
+    """`shard_specs` for MLA's latents: (mesh, specs of the grouped queries [B, 1, H * N, C], of the latents
+    [B, 1, T, C] and of lo and hi [B]): rows over dp, query heads over tp (row h * N + n splits by h), the latents
+    (one shared key, replicated over tp) whole on every device of a row; None where tp does not divide the heads."""
+    mesh = jax.typeof(latent).sharding.mesh
+    B, _, H, _ = q.shape
+    sizes = dict(mesh.shape)
+    rows = "dp" if B % sizes.get("dp", 1) == 0 else None
+    names = tuple(a for a in ("tp", "tp_kv", "tp_rep") if a in sizes)
+    n = math.prod(sizes[a] for a in names)
+    if H % n:
+        return None
+    heads = None if n == 1 else names[0] if len(names) == 1 else names
+    return mesh, P(rows, None, heads, None), P(rows, None, None, None), P(rows)
+
+
+def _latent_blocks(carry, n_blocks, bs, qh, kv, mask, H, scale, value_dim, valid=None):
+    """Fold blocks 0 .. n_blocks - 1 (traced) of the latents kv [B, 1, T, C] (keys; values their first value_dim
+    columns) for the grouped queries qh [B, 1, H * N, C] where mask [B, N, T] (and valid(slots) [B, 1, S])."""
+    def step(carry, i):
+        at = i * bs
+        kb = lax.dynamic_slice_in_dim(kv, at, bs, axis=2)
+        mb = lax.dynamic_slice_in_dim(mask, at, bs, axis=2)
+        if valid is not None:
+            mb = mb & valid(at + jnp.arange(bs))
+        return _update(carry, _scores(qh, kb, mb, H, scale, None), kb[..., :value_dim])
+
+    return _fold(carry, n_blocks, kv.shape[2] // bs, step)
+
+
+def latent_attention(q, latent, mask, scale: float, value_dim: int, length=None):
     """xla.latent_attention over the slots up to the mask's extent only: q [B, N, H, C]; latent [B, T, C] (one key
     [c_kv | k_pe] and one value c_kv = latent[..., :value_dim] shared by every head); mask [B, N, T] ->
-    [B, H, N, value_dim] in q's dtype."""
+    [B, H, N, value_dim] in q's dtype.
+
+    length [B]: each row's committed length, from a caller whose queries all see the same committed slots (MLA has
+    no sliding window) and whose own N latents are written at slots length[b] ... A GPU program then reads the
+    committed prefix with the flash-decoding kernel (`pallas_kernels.decode_attention`, its v=None form: no copy of
+    the values) where `latent_fits`, and merges the N new latents into its log-sum-exp as one more block."""
     B, N, H, C = q.shape
     T = latent.shape[1]
     bs = block_size(T)
     qh = q.transpose(0, 2, 1, 3).reshape(B, 1, H * N, C)  # every head is one query group of the one shared key
     kv = latent[:, None]  # [B, 1, T, C]
-    mx, tot, acc = _start(B, 1, H * N, value_dim)
+    start = _start(B, 1, H * N, value_dim)
+    if length is None or not (FLASH_DECODE and latent_fits(q, latent, value_dim)):
+        _, tot, acc = _latent_blocks(start, (extent(mask) + bs - 1) // bs, bs, qh, kv, mask, H, scale, value_dim)
+        return (acc / tot[..., None]).reshape(B, H, N, value_dim).astype(q.dtype)
+    length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), (B,))
+    used = jnp.clip(length, 0, T)
+    lo = _committed_range(mask, used)
+    specs = None if on_one_device(q, latent) else latent_shard_specs(q, latent)
+
+    def blocked(qh, kv, lo, used):  # the committed slots only: the new latents are merged below
+        return _latent_blocks(start, (used.max() + bs - 1) // bs, bs, qh, kv, mask, H, scale, value_dim,
+                              valid=lambda slots: (slots[None, :] < used[:, None])[:, None, :])
+
+    def kernel(qh, kv, lo, used, interpret=None):
+        return _flash_prefix(qh, kv, None, lo, used, specs, scale, None, interpret, value_dim)
+
+    here = functools.partial(kernel, interpret=GPU_INTERPRET) if INTERPRET else blocked
+    carry = lax.platform_dependent(qh, kv, lo, used, cuda=kernel, default=here)
+    slots = jnp.clip(length, 0, T - N)[:, None] + jnp.arange(N)  # [B, N]: where the new latents were written
+    new = jnp.take_along_axis(latent, slots[..., None], axis=1)[:, None]  # [B, 1, N, C]
+    own = jnp.take_along_axis(mask, jnp.broadcast_to(slots[:, None, :], (B, N, N)), axis=2)
+    _, tot, acc = _update(carry, _scores(qh, new, own, H, scale, None), new[..., :value_dim])
+    return (acc / tot[..., None]).reshape(B, H, N, value_dim).astype(q.dtype)
+
+
+def expanded_latent_attention(q, latent, mask, w_kvb, scale: float, nope_dim: int):
+    """xla.expanded_latent_attention over the slots up to the mask's extent only, each block of latents expanded
+    as it is read: q [B, N, H, dn + dr]; latent [B, T, r + dr]; mask [B, N, T]; w_kvb [r, H * (dn + dv)] ->
+    [B, N, H, dv]. The reference expands every slot of the buffer and writes [B, H, N, T] float32 scores: a
+    1024-token prefill chunk of DeepSeek-V3 over a 32k buffer is 17 GB of scores per layer. Here a prefill chunk
+    expands the slots in use once and holds [B, H, N, BLOCK] scores."""
+    B, N, H, _ = q.shape
+    T, r = latent.shape[1], w_kvb.shape[0]
+    dv = w_kvb.shape[1] // H - nope_dim
+    bs = block_size(T)
+    qh = q.transpose(0, 2, 1, 3)  # [B, H, N, dn + dr]: every head its own group of N queries
 
     def step(carry, i):
-        at = i * bs
-        kb = lax.dynamic_slice_in_dim(kv, at, bs, axis=2)
-        mb = lax.dynamic_slice_in_dim(mask, at, bs, axis=2)
-        return _update(carry, _scores(qh, kb, mb, H, scale, None), kb[..., :value_dim])
+        lb = lax.dynamic_slice_in_dim(latent, i * bs, bs, axis=1)  # [B, S, r + dr]
+        kv = (lb[..., :r] @ w_kvb).reshape(B, bs, H, nope_dim + dv).transpose(0, 2, 1, 3)  # [B, H, S, dn + dv]
+        k_pe = jnp.broadcast_to(lb[:, None, :, r:], (B, H, bs, lb.shape[-1] - r))
+        k = jnp.concatenate([kv[..., :nope_dim], k_pe], -1)
+        mb = lax.dynamic_slice_in_dim(mask, i * bs, bs, axis=2)
+        return _update(carry, _scores(qh, k, mb, 1, scale, None), kv[..., nope_dim:])
 
-    _, tot, acc = _fold((mx, tot, acc), (extent(mask) + bs - 1) // bs, T // bs, step)
-    return (acc / tot[..., None]).reshape(B, H, N, value_dim).astype(q.dtype)
+    _, tot, acc = _fold(_start(B, H, N, dv), (extent(mask) + bs - 1) // bs, T // bs, step)
+    return (acc / tot[..., None]).transpose(0, 2, 1, 3).astype(q.dtype)
+
+
+# ragged_dot_mgpu's tiles: 64 rows (one warpgroup's wgmma M), 128 outputs, 64 inputs, 4 steps in flight
+RAGGED_TILES = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+
+
+def ragged_fits(x, w) -> bool:
+    """Whether JAX's Hopper grouped matmul takes x [M, K] @ w [G, K, N]: bf16 / f16 alike, K and N whole tiles,
+    on one device (a shard_map gives it each device's experts: models/moe.py), on Hopper or a host without a GPU."""
+    t = RAGGED_TILES
+    return (GROUPED_MATMUL and ragged_dot_mgpu is not None and hopper_or_no_gpu()
+            and x.dtype in (jnp.bfloat16, jnp.float16)
+            and w.dtype == x.dtype and x.shape[1] % t["block_k"] == 0 and w.shape[2] % t["block_n"] == 0
+            and on_one_device(x, w))
+
+
+def _ragged_kernel(x, w, sizes):
+    """ragged_dot_mgpu over rows padded to whole 64-row tiles (TMA reads whole tiles; the interpreter refuses a
+    read past the array). Every row past the groups' sum, padding included, joins the last group, so none is left
+    unwritten; the padding is cut off again. lax.ragged_dot gives zeros for rows past the sum, this the last
+    group's product: callers that have such rows mask them (models/moe.py)."""
+    M = x.shape[0]
+    pad = -M % RAGGED_TILES["block_m"]
+    xp = jnp.pad(x, ((0, pad), (0, 0)))
+    sizes = sizes.at[-1].add(pad + M - sizes.sum())
+    return ragged_dot_mgpu.ragged_dot(xp, w, group_sizes=sizes, **RAGGED_TILES)[:M]
+
+
+def ragged_dot(x, w, sizes):
+    """lax.ragged_dot(x [M, K], w [G, K, N], sizes [G]) -> [M, N] in x's dtype, on a GPU through JAX's Hopper
+    grouped matmul (`ragged_dot_mgpu`). XLA's GPU compiler rewrites a ragged_dot into a dense product over every
+    group unless an experimental cuDNN path is switched on: for a 1024-token prefill chunk of DeepSeek-V3 that is
+    256 experts' worth of work and temporaries where 8 are used. A CPU program keeps lax.ragged_dot; the tests
+    run the kernel under JAX's interpreter (`INTERPRET` with `jaxspec.testing.interpreted_grouped_matmul`)."""
+    if not ragged_fits(x, w):
+        return lax.ragged_dot(x, w, sizes)
+    return lax.platform_dependent(x, w, sizes, cuda=_ragged_kernel,
+                                  default=_ragged_kernel if INTERPRET else lax.ragged_dot)

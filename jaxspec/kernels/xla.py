@@ -65,6 +65,21 @@ def latent_attention(q, latent, mask, scale: float, value_dim: int):
     return jnp.einsum("bhnt,btr->bhnr", p, latent[..., :value_dim], preferred_element_type=jnp.float32).astype(q.dtype)
 
 
+def expanded_latent_attention(q, latent, mask, w_kvb, scale: float, nope_dim: int):
+    """MLA's expanded form (HF's): every slot's latent is up-projected through kv_b_proj into per-head keys
+    [c_kv W_UK | k_pe] and values c_kv W_UV, then multi-head attention. q: [B, N, H, dn + dr] ([q_nope | q_pe]);
+    latent: [B, T, r + dr]; mask: [B, N, T]; w_kvb: [r, H * (dn + dv)]; nope_dim: dn -> [B, N, H, dv] in q's dtype.
+    The expansion is once per slot whatever N is: the cheaper form for long prefill chunks (models/mla.py)."""
+    B, N, H, _ = q.shape
+    T, r = latent.shape[1], w_kvb.shape[0]
+    kv = (latent[..., :r] @ w_kvb).reshape(B, T, H, -1)
+    k_nope, v = kv[..., :nope_dim], kv[..., nope_dim:]
+    k_pe = jnp.broadcast_to(latent[:, :, None, r:], (B, T, H, latent.shape[-1] - r))
+    s = jnp.einsum("bnhd,bthd->bhnt", q, jnp.concatenate([k_nope, k_pe], -1), preferred_element_type=jnp.float32)
+    p = jax.nn.softmax(jnp.where(mask[:, None], s * scale, NEG_INF), axis=-1).astype(v.dtype)
+    return jnp.einsum("bhnt,bthd->bnhd", p, v, preferred_element_type=jnp.float32).astype(q.dtype)
+
+
 def cache_attention(q, k_old, v_old, k_new, v_new, length, mask, scale: float, softcap: float | None = None):
     """Softmax attention (float32) of q [B, N, H, D] over the committed slots of the cache k_old, v_old
     [B, KVH, T, D] (row b's slot t where t < length[b] and mask[b, :, t]) and this forward's k_new, v_new

@@ -27,14 +27,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxspec import kernels
 from jaxspec.cache import LatentEntry
-from jaxspec.kernels.xla import NEG_INF
 from jaxspec.models.layers import Linear, RMSNorm, rope_cos_sin
 
 # q_a_layernorm and kv_a_layernorm: HF builds them with the default eps, whatever the config says
@@ -132,37 +130,25 @@ class MLASpec:
     absorb_max_tokens: int = 170  # forwards of at most this many tokens use the absorbed form
 
 
-def _softmax(s, mask, dtype):
-    """s [B, H, N, T] float32 with mask [B, N, T] -> probabilities in `dtype` (HF: fp32 softmax, cast back)."""
-    s = jnp.where(mask[:, None], s, NEG_INF)
-    return jax.nn.softmax(s, axis=-1).astype(dtype)
-
-
 def attend_expanded(q_nope, q_pe, latent, mask, w_kvb, spec: MLASpec):
     """HF's form. q_nope [B, N, nH, dn], q_pe [B, N, nH, dr], latent [B, T, r + dr], w_kvb [r, nH*(dn+dv)],
     mask [B, N, T] -> o [B, N, nH, dv]."""
-    B, T, _ = latent.shape
-    r, dn = spec.kv_lora_rank, spec.qk_nope_head_dim
-    c_kv, k_pe = latent[..., :r], latent[..., r:]
-    kv = (c_kv @ w_kvb).reshape(B, T, spec.num_heads, dn + spec.v_head_dim)
-    k_nope, v = kv[..., :dn], kv[..., dn:]
-    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None], (*k_nope.shape[:3], k_pe.shape[-1]))], -1)
-    q = jnp.concatenate([q_nope, q_pe], -1)
-    s = jnp.einsum("bnhd,bthd->bhnt", q, k, preferred_element_type=jnp.float32) * spec.scale
-    p = _softmax(s, mask, v.dtype)
-    return jnp.einsum("bhnt,bthd->bnhd", p, v, preferred_element_type=jnp.float32).astype(q_nope.dtype)
+    return kernels.expanded_latent_attention(jnp.concatenate([q_nope, q_pe], -1), latent, mask, w_kvb, spec.scale,
+                                             spec.qk_nope_head_dim)
 
 
-def attend_absorbed(q_nope, q_pe, latent, mask, w_kvb, spec: MLASpec):
+def attend_absorbed(q_nope, q_pe, latent, mask, w_kvb, spec: MLASpec, length=None):
     """W_UK folded into q, W_UV applied after attention; same signature and result as `attend_expanded`.
 
-    The latent buffer is the one shared key [c_kv | k_pe] of width r + dr, and c_kv the one shared value."""
+    The latent buffer is the one shared key [c_kv | k_pe] of width r + dr, and c_kv the one shared value. length:
+    the rows' committed lengths, with this forward's latents written after them (`MLA.__call__`): every query sees
+    the same committed slots, which a GPU reads with its flash-decoding kernel (`kernels.latent_attention`)."""
     r, dn = spec.kv_lora_rank, spec.qk_nope_head_dim
     w = w_kvb.reshape(r, spec.num_heads, dn + spec.v_head_dim)
     w_uk, w_uv = w[..., :dn], w[..., dn:]  # [r, nH, dn], [r, nH, dv]
     q_lat = jnp.einsum("bnhd,rhd->bnhr", q_nope, w_uk, preferred_element_type=jnp.float32).astype(q_nope.dtype)
     q = jnp.concatenate([q_lat, q_pe], -1)  # [B, N, nH, r + dr]
-    o_lat = kernels.latent_attention(q, latent, mask, spec.scale, r)  # [B, nH, N, r]
+    o_lat = kernels.latent_attention(q, latent, mask, spec.scale, r, length)  # [B, nH, N, r]
     return jnp.einsum("bhnr,rhd->bnhd", o_lat, w_uv, preferred_element_type=jnp.float32).astype(q_nope.dtype)
 
 
@@ -213,6 +199,9 @@ class MLA(nnx.Module):
         q_nope, q_pe = self.queries(x, positions)
         if absorbed is None:
             absorbed = N <= self.spec.absorb_max_tokens
-        form = attend_absorbed if absorbed else attend_expanded
-        o = form(q_nope, q_pe, entry.latent, mask, self.kv_b_proj.weight(), self.spec)
+        w_kvb = self.kv_b_proj.weight()
+        if absorbed:
+            o = attend_absorbed(q_nope, q_pe, entry.latent, mask, w_kvb, self.spec, length)
+        else:
+            o = attend_expanded(q_nope, q_pe, entry.latent, mask, w_kvb, self.spec)
         return self.o_proj(o.reshape(B, N, self.spec.num_heads * self.spec.v_head_dim)), entry

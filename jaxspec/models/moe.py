@@ -27,12 +27,16 @@ count; its figures are in docs/design/mla-moe.md). So gather up to 64 pairs (dec
 """
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
+from jax.sharding import PartitionSpec as P
 
+from jaxspec import kernels
 from jaxspec.models import quant
 from jaxspec.models.layers import MLP, Linear, param
 
@@ -79,18 +83,61 @@ def experts_gather(x, w, idx, gate, up, down, act=jax.nn.silu, *, gathered: bool
 
 
 def experts_ragged(x, w, idx, gate, up, down, act=jax.nn.silu):
-    """Same contract as `experts_gather`: pairs sorted by expert, one `ragged_dot` per projection."""
+    """Same contract as `experts_gather`: pairs sorted by expert, one grouped product (`kernels.ragged_dot`) per
+    projection.
+
+    Experts split over a mesh (expert parallel: jaxspec.sharding gives each device E / tp whole experts) run in a
+    shard_map: each device sorts its dp rows' pairs, takes the run of them its own experts hold, adds their outputs
+    into its tokens, and one all-reduce of [T / dp, H] over tp sums the devices. The grouped product then holds one
+    device's arrays, which a kernel (a custom call the partitioner cannot split) needs, and the all-reduce moves
+    tokens rather than k times as many pairs."""
+    weights = tuple(p for p in (gate, up, down) if p is not None)
+    unpack = (lambda g, u, d: (g, u, d)) if up is not None else (lambda g, d: (g, None, d))
+    names = _expert_axes(gate)
+    if not names:
+        return _own_experts(x, w, idx, 0, *unpack(*weights), act)
+    mesh = jax.typeof(gate).sharding.mesh
+    dp = mesh.shape.get("dp", 1)
+    rows = P("dp") if dp > 1 and x.shape[0] % dp == 0 else P()
+
+    def local(x, w, idx, *weights):  # one device: its rows' pairs with experts d * G .. d * G + G - 1
+        first = lax.axis_index(names) * weights[0].shape[0]
+        return lax.psum(_own_experts(x, w, idx, first, *unpack(*weights), act), names)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(rows,) * 3 + (P(names),) * len(weights), out_specs=rows,
+                         check_vma=False)(x, w, idx, *weights)
+
+
+def _own_experts(x, w, idx, first, gate, up, down, act):
+    """x [T, H], w/idx [T, k] -> [T, H]: the pairs routed to experts first .. first + G - 1 (gate/up [G, H, I],
+    down [G, I, H]; all of them when first is 0 and G the router's E), sorted by expert, through one grouped
+    product per projection. Other experts' pairs come after them and add nothing: they are masked, because a
+    kernel may run them through the last group (`kernels.ragged_dot` leaves rows past the groups unspecified)."""
     T, k = idx.shape
-    E = gate.shape[0]
+    G = gate.shape[0]
     flat = idx.reshape(-1)  # [M]
-    order = jnp.argsort(flat, stable=True)
+    key = jnp.where((flat >= first) & (flat < first + G), flat - first, G)  # own experts 0 .. G - 1, others G
+    order = jnp.argsort(key, stable=True)  # own pairs by expert, then the others
     token = order // k  # the token of each sorted pair
-    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)  # [E] pairs per expert
+    sizes = jnp.bincount(key, length=G).astype(jnp.int32)  # [G] pairs per own expert (key G is dropped)
     xs = x[token]  # [M, H]
-    u = None if up is None else jax.lax.ragged_dot(xs, up, sizes)
-    h = _glu(jax.lax.ragged_dot(xs, gate, sizes), u, act)
-    y = jax.lax.ragged_dot(h, down, sizes) * w.reshape(-1)[order][:, None].astype(x.dtype)  # [M, H]
-    return jnp.zeros_like(x).at[token].add(y)
+    u = None if up is None else kernels.ragged_dot(xs, up, sizes)
+    h = _glu(kernels.ragged_dot(xs, gate, sizes), u, act)
+    y = kernels.ragged_dot(h, down, sizes)  # [M, H]
+    own = jnp.arange(flat.shape[0]) < sizes.sum()
+    y = jnp.where(own[:, None], y * w.reshape(-1)[order][:, None].astype(y.dtype), 0)
+    return jnp.zeros_like(x).at[token].add(y.astype(x.dtype))
+
+
+def _expert_axes(w) -> tuple[str, ...]:
+    """The mesh axes stacked experts w [E, ...] are split over inside jit (jaxspec.sharding's rule: tp, or both
+    halves of its split view), or () when w is on one device or not split by expert."""
+    mesh = getattr(getattr(jax.typeof(w), "sharding", None), "mesh", None)
+    if mesh is None or mesh.empty or mesh.size == 1:
+        return ()
+    names = tuple(a for a in ("tp", "tp_kv", "tp_rep") if a in mesh.shape)
+    n = math.prod(mesh.shape[a] for a in names)
+    return names if n > 1 and w.shape[0] % n == 0 else ()
 
 
 class MoE(nnx.Module):
