@@ -183,7 +183,8 @@ def _flash_local(qg, k, v, lo, hi, scale, softcap, interpret, value_dim=None):
     T = k.shape[2]
     Dv = value_dim or (D if v is None else v.shape[-1])
     bk = 128 if D <= 128 and T % 128 == 0 else 64  # the SMEM budget: D = 256 (and MLA's 576) fit 64-slot blocks only
-    ctas = B * K * -(-R // 64) * -(-Dv // 256)  # (row, head, query tile, value chunk)
+    chunks = Dv // next(c for c in (256, 192, 128, 64) if Dv % c == 0) if v is None else 1  # flash_decode's rule
+    ctas = B * K * -(-R // 64) * chunks  # (row, head, query tile, value chunk)
     splits = max(1, min(SMS // ctas, T // bk, 16))  # flash decoding: fill the SMs with one row's blocks
     o, lse = flash_decode(qg, k, v, lo, hi, scale=scale, softcap=softcap, block_kv=bk, num_splits=splits,
                           value_dim=value_dim, interpret=interpret)
@@ -331,7 +332,9 @@ def latent_attention(q, latent, mask, scale: float, value_dim: int, length=None)
 
     here = functools.partial(kernel, interpret=GPU_INTERPRET) if INTERPRET else blocked
     carry = lax.platform_dependent(qh, kv, lo, used, cuda=kernel, default=here)
-    slots = jnp.clip(length, 0, T - N)[:, None] + jnp.arange(N)  # [B, N]: where the new latents were written
+    # [B, N]: where LatentEntry.write put the new latents (its update clamps the start as here; the engine keeps
+    # length + N within the buffer, so they never overwrite committed slots)
+    slots = jnp.clip(length, 0, T - N)[:, None] + jnp.arange(N)
     new = jnp.take_along_axis(latent, slots[..., None], axis=1)[:, None]  # [B, 1, N, C]
     own = jnp.take_along_axis(mask, jnp.broadcast_to(slots[:, None, :], (B, N, N)), axis=2)
     _, tot, acc = _update(carry, _scores(qh, new, own, H, scale, None), new[..., :value_dim])

@@ -100,33 +100,55 @@ def experts_ragged(x, w, idx, gate, up, down, act=jax.nn.silu):
     dp = mesh.shape.get("dp", 1)
     rows = P("dp") if dp > 1 and x.shape[0] % dp == 0 else P()
 
+    # a device's own pairs run in pieces of twice the even share (a piece's grouped product costs all its rows): one
+    # or two pieces with a router's usual balance, where the whole run of pairs would cost every device all of them
+    M, n = idx.size // (dp if rows != P() else 1), math.prod(mesh.shape[a] for a in names)
+    piece = min(M, -(-2 * M // n // 64) * 64)
+
     def local(x, w, idx, *weights):  # one device: its rows' pairs with experts d * G .. d * G + G - 1
         first = lax.axis_index(names) * weights[0].shape[0]
-        return lax.psum(_own_experts(x, w, idx, first, *unpack(*weights), act), names)
+        return lax.psum(_own_experts(x, w, idx, first, *unpack(*weights), act, piece=piece), names)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(rows,) * 3 + (P(names),) * len(weights), out_specs=rows,
                          check_vma=False)(x, w, idx, *weights)
 
 
-def _own_experts(x, w, idx, first, gate, up, down, act):
+def _own_experts(x, w, idx, first, gate, up, down, act, piece: int | None = None):
     """x [T, H], w/idx [T, k] -> [T, H]: the pairs routed to experts first .. first + G - 1 (gate/up [G, H, I],
     down [G, I, H]; all of them when first is 0 and G the router's E), sorted by expert, through one grouped
     product per projection. Other experts' pairs come after them and add nothing: they are masked, because a
-    kernel may run them through the last group (`kernels.ragged_dot` leaves rows past the groups unspecified)."""
+    kernel may run them through the last group (`kernels.ragged_dot` leaves rows past the groups unspecified).
+
+    piece: run the own pairs in pieces of this many rows, as many as they fill (a loop with a traced trip count),
+    instead of all M pairs at once: under expert parallelism a device's own run is about M / devices long."""
     T, k = idx.shape
     G = gate.shape[0]
     flat = idx.reshape(-1)  # [M]
+    M = flat.shape[0]
     key = jnp.where((flat >= first) & (flat < first + G), flat - first, G)  # own experts 0 .. G - 1, others G
     order = jnp.argsort(key, stable=True)  # own pairs by expert, then the others
     token = order // k  # the token of each sorted pair
+    ws = w.reshape(-1)[order].astype(x.dtype)
     sizes = jnp.bincount(key, length=G).astype(jnp.int32)  # [G] pairs per own expert (key G is dropped)
-    xs = x[token]  # [M, H]
-    u = None if up is None else kernels.ragged_dot(xs, up, sizes)
-    h = _glu(kernels.ragged_dot(xs, gate, sizes), u, act)
-    y = kernels.ragged_dot(h, down, sizes)  # [M, H]
-    own = jnp.arange(flat.shape[0]) < sizes.sum()
-    y = jnp.where(own[:, None], y * w.reshape(-1)[order][:, None].astype(y.dtype), 0)
-    return jnp.zeros_like(x).at[token].add(y.astype(x.dtype))
+
+    def run(rows, sizes, out):  # sorted pairs `rows` [R] in groups of sizes [G] (summing to at most R), into out
+        xs = x[token[rows]]  # [R, H]
+        u = None if up is None else kernels.ragged_dot(xs, up, sizes)
+        h = _glu(kernels.ragged_dot(xs, gate, sizes), u, act)
+        y = kernels.ragged_dot(h, down, sizes)  # [R, H]
+        y = jnp.where((jnp.arange(rows.shape[0]) < sizes.sum())[:, None], y * ws[rows][:, None], 0)
+        return out.at[token[rows]].add(y.astype(x.dtype))
+
+    if piece is None or piece >= M:
+        return run(jnp.arange(M), sizes, jnp.zeros_like(x))
+    ends = jnp.cumsum(sizes)
+
+    def one_piece(i, out):  # sorted pairs i * piece .. (i + 1) * piece - 1, each group cut to them
+        at = i * piece
+        cut = jnp.clip(ends - at, 0, piece) - jnp.clip(ends - sizes - at, 0, piece)
+        return run(jnp.minimum(at + jnp.arange(piece), M - 1), cut, out)
+
+    return lax.fori_loop(0, (sizes.sum() + piece - 1) // piece, one_piece, jnp.zeros_like(x))
 
 
 def _expert_axes(w) -> tuple[str, ...]:
