@@ -102,13 +102,14 @@ def _fold(carry, n_blocks, total: int, step):
     return lax.scan(body, carry, jnp.arange(total))[0]
 
 
-def _blocks(carry, n_blocks, bs, qg, k, v, mask, G, scale, softcap, valid=None):
+def _blocks(carry, n_blocks, bs, qg, k, v, mask, G, scale, softcap, valid=None, value_dim=None):
     """Fold blocks 0 .. n_blocks - 1 (traced) of k, v [B, K, T, D] (mask [B, N, T]; valid(slots) [B, 1, S] further
-    limits which slots count) into the online softmax."""
+    limits which slots count) into the online softmax. v None: the values are k's first value_dim columns (MLA's
+    latents), cut from each block as it is read rather than from the whole buffer."""
     def step(carry, i):
         at = i * bs
         kb = lax.dynamic_slice_in_dim(k, at, bs, axis=2)
-        vb = lax.dynamic_slice_in_dim(v, at, bs, axis=2)
+        vb = kb[..., :value_dim] if v is None else lax.dynamic_slice_in_dim(v, at, bs, axis=2)
         mb = lax.dynamic_slice_in_dim(mask, at, bs, axis=2)
         if valid is not None:
             mb = mb & valid(at + jnp.arange(bs))
@@ -286,20 +287,6 @@ def latent_shard_specs(q, latent):
     return mesh, P(rows, None, heads, None), P(rows, None, None, None), P(rows)
 
 
-def _latent_blocks(carry, n_blocks, bs, qh, kv, mask, H, scale, value_dim, valid=None):
-    """Fold blocks 0 .. n_blocks - 1 (traced) of the latents kv [B, 1, T, C] (keys; values their first value_dim
-    columns) for the grouped queries qh [B, 1, H * N, C] where mask [B, N, T] (and valid(slots) [B, 1, S])."""
-    def step(carry, i):
-        at = i * bs
-        kb = lax.dynamic_slice_in_dim(kv, at, bs, axis=2)
-        mb = lax.dynamic_slice_in_dim(mask, at, bs, axis=2)
-        if valid is not None:
-            mb = mb & valid(at + jnp.arange(bs))
-        return _update(carry, _scores(qh, kb, mb, H, scale, None), kb[..., :value_dim])
-
-    return _fold(carry, n_blocks, kv.shape[2] // bs, step)
-
-
 def latent_attention(q, latent, mask, scale: float, value_dim: int, length=None):
     """xla.latent_attention over the slots up to the mask's extent only: q [B, N, H, C]; latent [B, T, C] (one key
     [c_kv | k_pe] and one value c_kv = latent[..., :value_dim] shared by every head); mask [B, N, T] ->
@@ -316,7 +303,8 @@ def latent_attention(q, latent, mask, scale: float, value_dim: int, length=None)
     kv = latent[:, None]  # [B, 1, T, C]
     start = _start(B, 1, H * N, value_dim)
     if length is None or not (FLASH_DECODE and latent_fits(q, latent, value_dim)):
-        _, tot, acc = _latent_blocks(start, (extent(mask) + bs - 1) // bs, bs, qh, kv, mask, H, scale, value_dim)
+        _, tot, acc = _blocks(start, (extent(mask) + bs - 1) // bs, bs, qh, kv, None, mask, H, scale, None,
+                              value_dim=value_dim)
         return (acc / tot[..., None]).reshape(B, H, N, value_dim).astype(q.dtype)
     length = jnp.broadcast_to(jnp.asarray(length, jnp.int32), (B,))
     used = jnp.clip(length, 0, T)
@@ -324,8 +312,8 @@ def latent_attention(q, latent, mask, scale: float, value_dim: int, length=None)
     specs = None if on_one_device(q, latent) else latent_shard_specs(q, latent)
 
     def blocked(qh, kv, lo, used):  # the committed slots only: the new latents are merged below
-        return _latent_blocks(start, (used.max() + bs - 1) // bs, bs, qh, kv, mask, H, scale, value_dim,
-                              valid=lambda slots: (slots[None, :] < used[:, None])[:, None, :])
+        return _blocks(start, (used.max() + bs - 1) // bs, bs, qh, kv, None, mask, H, scale, None,
+                       valid=lambda slots: (slots[None, :] < used[:, None])[:, None, :], value_dim=value_dim)
 
     def kernel(qh, kv, lo, used, interpret=None):
         return _flash_prefix(qh, kv, None, lo, used, specs, scale, None, interpret, value_dim)

@@ -102,8 +102,9 @@ def experts_ragged(x, w, idx, gate, up, down, act=jax.nn.silu):
 
     # a device's own pairs run in pieces of twice the even share (a piece's grouped product costs all its rows): one
     # or two pieces with a router's usual balance, where the whole run of pairs would cost every device all of them
-    M, n = idx.size // (dp if rows != P() else 1), math.prod(mesh.shape[a] for a in names)
-    piece = min(M, -(-2 * M // n // 64) * 64)
+    M = idx.size // (dp if rows != P() else 1)  # one device's pairs
+    share = -(-M // math.prod(mesh.shape[a] for a in names))
+    piece = min(M, 64 * -(-2 * share // 64))  # twice the share, in whole 64-row tiles
 
     def local(x, w, idx, *weights):  # one device: its rows' pairs with experts d * G .. d * G + G - 1
         first = lax.axis_index(names) * weights[0].shape[0]
